@@ -1,0 +1,565 @@
+"""The agent: one per RPC participant, owning all of that participant's state.
+
+Several agents can live in one process (the in-process test tier does that);
+nothing here is a module global except the thread-local "current agent".
+
+Threads of one agent::
+
+    caller threads ──pack+sign──▶ IOLoop deque ──▶ I/O thread ──DEALER──▶ peer
+    peer ──▶ ROUTER ──▶ I/O thread ─┬─ RESPONSE: unpickle, complete the future
+                                    ├─ CONTROL:  membership / shutdown state
+                                    └─ REQUEST:  worker pool ─▶ handler ─▶ reply
+
+A REQUEST payload names its handler by ``op``. ``call`` is built in; upper
+layers install more through :func:`register_extension` (the RRef layer adds
+``remote``, ``rref_fetch``, ...).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import cloudpickle
+import torch
+
+from ..errors import (
+    NotInitializedError,
+    RemoteError,
+    RemoteTraceback,
+    RendezvousError,
+    RpcTimeoutError,
+    SerializationError,
+    ShutdownError,
+    UnknownWorkerError,
+    WorkerGoneError,
+)
+from ..serialize import dumps, loads
+from ..transport import Envelope, IOLoop, pack
+from .events import EventLog
+from .futures import RpcFuture
+from .group import Coordinator, WorkerInfo
+from .messages import (
+    CONTROL,
+    REQUEST,
+    RESPONSE,
+    Call,
+    DrainReport,
+    DrainVerdict,
+    Err,
+    Join,
+    Leave,
+    Member,
+    MemberJoined,
+    MemberLeft,
+    Members,
+    Ok,
+)
+from .pool import WorkerPool
+
+log = logging.getLogger(__name__)
+
+_local = threading.local()
+_EXTENSIONS: list[Callable[[Agent], None]] = []
+
+
+def register_extension(install: Callable[[Agent], None]) -> None:
+    """Run ``install(agent)`` for every agent created from now on.
+
+    Upper layers use it to add request handlers (``agent.handlers[op] = fn``),
+    per-agent state (``agent.ext[name] = obj``) and snapshot sections.
+    """
+    _EXTENSIONS.append(install)
+
+
+def current_agent(what: str = "this call") -> Agent:
+    """The agent of this thread: an agent's own threads use their agent, any
+    other thread the process default set by ``init_rpc``."""
+    agent = getattr(_local, "agent", None) or _Default.agent
+    if agent is None:
+        raise NotInitializedError(what)
+    return agent
+
+
+class _Default:
+    agent: Agent | None = None  # the process default, set by nbrpc.rpc.init_rpc
+
+
+def set_default_agent(agent: Agent | None) -> None:
+    _Default.agent = agent
+
+
+@dataclass(slots=True)
+class _Pending:
+    future: RpcFuture
+    peer: int
+    op: str
+    started: float
+    timer: list | None = None
+
+
+@dataclass(slots=True)
+class Deferred:
+    """Returned by a handler whose answer is a future (``async_execution``)."""
+
+    future: torch.futures.Future
+
+
+@dataclass
+class AgentOptions:
+    num_worker_threads: int = 16
+    rpc_timeout: float = 60.0
+    host: str = "127.0.0.1"
+    port: int = 0
+    event_log_size: int = 10_000
+    extra: dict = field(default_factory=dict)
+
+
+class Agent:
+    """One RPC participant. Create, :meth:`start`, call, :meth:`shutdown`.
+
+    >>> from nbrpc.transport import new_key
+    >>> a = Agent("solo", 0, new_key(), world_size=1)
+    >>> a.start(None, timeout=5)
+    >>> a.rpc_async("solo", pow, (2, 10)).wait()
+    1024
+    >>> a.shutdown()
+    """
+
+    def __init__(
+        self,
+        name: str,
+        rank: int,
+        key: bytes,
+        *,
+        world_size: int | None,
+        options: AgentOptions | None = None,
+    ) -> None:
+        _check_name(name)
+        if not isinstance(rank, int) or isinstance(rank, bool) or rank < 0:
+            raise ValueError(f"rank must be a non-negative int, got {rank!r}")
+        self.name, self.rank, self.world_size = name, rank, world_size
+        self.options = opts = options or AgentOptions()
+        self._key = key
+        self.info = WorkerInfo(name, rank)
+        self.io = IOLoop(key, rank, self._on_message, name=f"nbrpc-io[{name}]")
+        self.address = self.io.bind(opts.host, opts.port)
+        self.pool = WorkerPool(opts.num_worker_threads, f"nbrpc-worker[{name}]", self._adopt_thread)
+        self.events = EventLog(opts.event_log_size)
+        self.handlers: dict[str, Callable[[Any, int], Any]] = {"call": self._handle_call}
+        self.ext: dict[str, Any] = {}
+        self.snapshot_sections: dict[str, Callable[[], Any]] = {}
+        self.state = "new"
+        self._pending: dict[int, _Pending] = {}
+        self._ids = itertools.count(1)
+        self._members: dict[int, Member] = {}
+        self._by_name: dict[str, Member] = {}
+        self._coordinator = Coordinator(world_size) if rank == 0 else None
+        self._joined = threading.Event()
+        self._join_error: str | None = None
+        self._verdicts: dict[int, threading.Event | bool] = {}
+        self._lock = threading.Lock()
+        self.sent = 0  # requests sent (under _lock)
+        self.served = 0  # requests answered (under _lock)
+        self.timeouts = self.late_replies = self.remote_errors = 0
+        for install in _EXTENSIONS:
+            install(self)
+
+    # -- lifecycle -----------------------------------------------------------
+    def start(self, coordinator_address: str | None, timeout: float) -> None:
+        """Start the threads and join the group; returns once members are known."""
+        self.state = "joining"
+        self.io.start()
+        self.io.call_soon(self._adopt_thread)
+        me = Member(self.name, self.rank, self.address)
+        join = Join(me, self.world_size)
+        if self._coordinator is not None:
+            self.io.call_soon(self._on_join, join)
+        else:
+            if coordinator_address is None:
+                raise RendezvousError("a non-coordinator agent needs the coordinator's address")
+            self.io.set_address(0, coordinator_address)
+            self._send_control(0, join)
+        if not self._joined.wait(timeout if timeout > 0 else None):
+            self._stop_local()
+            missing = ""
+            if self._coordinator is not None and self.world_size is not None:
+                have = sorted(self._coordinator.members)
+                missing = (f" Joined so far: ranks {have} of world_size={self.world_size};"
+                           " check that every rank calls init_rpc with the same init_method.")
+            raise RendezvousError(
+                f"{self.name!r} could not join the group within {timeout:g} s.{missing}"
+            )
+        if self._join_error:
+            self._stop_local()
+            raise RendezvousError(self._join_error)
+        self.state = "ready"
+        log.info("nbrpc agent %r (rank %d) ready at %s", self.name, self.rank, self.address)
+
+    def shutdown(self, graceful: bool = True, timeout: float = 0) -> None:
+        """Leave the group. Graceful: first wait until the whole (static) group
+        has no call, in any direction, still outstanding."""
+        if self.state in ("stopping", "stopped"):
+            return
+        limit = timeout if timeout > 0 else (self.options.rpc_timeout or 60.0)
+        deadline = time.monotonic() + limit
+        error: Exception | None = None
+        if graceful and self.state == "ready":
+            self.state = "stopping"
+            try:
+                if self.world_size is None:
+                    self._wait_local_idle(deadline)
+                    if self.rank != 0:
+                        self._send_control(0, Leave(self.rank))
+                else:
+                    self._drain_group(deadline)
+            except RpcTimeoutError as e:
+                error = e
+        self._stop_local()
+        if error is not None:
+            raise error
+
+    def _stop_local(self) -> None:
+        self.state = "stopped"
+        self.io.stop()
+        stuck = self.pool.stop(timeout=2.0)
+        if stuck:
+            log.warning("nbrpc agent %r: worker threads still running user code at "
+                        "shutdown: %s", self.name, ", ".join(stuck))
+        for mid in list(self._pending):
+            p = self._pending.pop(mid, None)
+            if p is not None and not p.future.done():
+                p.future.set_exception(ShutdownError(
+                    f"{self.name!r} shut down before {self._peer_name(p.peer)!r} answered"))
+        if _Default.agent is self:
+            _Default.agent = None
+
+    def _wait_local_idle(self, deadline: float) -> None:
+        while self._pending:
+            if time.monotonic() > deadline:
+                raise RpcTimeoutError(
+                    f"shutdown waiting for {len(self._pending)} outstanding call(s)",
+                    deadline - time.monotonic())
+            time.sleep(0.002)
+
+    def _drain_group(self, deadline: float) -> None:
+        for rnd in itertools.count():
+            self._wait_local_idle(deadline)
+            done = threading.Event()
+            self._verdicts[rnd] = done
+            with self._lock:
+                report = DrainReport(rnd, len(self._pending), self.sent, self.served)
+            self._send_control(0, report)
+            if not done.wait(max(0.0, deadline - time.monotonic())):
+                raise RpcTimeoutError("graceful shutdown (waiting for the other workers)",
+                                      self.options.rpc_timeout)
+            if self._verdicts.pop(rnd) is True:
+                return
+
+    def _adopt_thread(self) -> None:
+        _local.agent = self
+
+    # -- members -------------------------------------------------------------
+    def resolve(self, to: Any) -> Member:
+        """The member a destination (name, rank or WorkerInfo) names."""
+        if isinstance(to, str):
+            m = self._by_name.get(to)
+        elif isinstance(to, int) and not isinstance(to, bool):
+            m = self._members.get(to)
+        elif hasattr(to, "name") and hasattr(to, "id"):
+            m = self._by_name.get(to.name)
+        else:
+            raise TypeError(
+                f"a destination is a worker name, a rank or a WorkerInfo; got {type(to).__name__}")
+        if m is None:
+            raise UnknownWorkerError(to, self._by_name)
+        return m
+
+    def worker_infos(self) -> list[WorkerInfo]:
+        return [WorkerInfo(m.name, m.rank) for m in sorted(self._members.values(), key=lambda m: m.rank)]
+
+    def _peer_name(self, rank: int) -> str:
+        m = self._members.get(rank)
+        return m.name if m else f"rank{rank}"
+
+    def _set_members(self, members: tuple[Member, ...]) -> None:
+        for m in members:
+            self._add_member(m)
+
+    def _add_member(self, m: Member) -> None:
+        old = self._members.get(m.rank)
+        if old is not None and old.name != m.name:
+            self._by_name.pop(old.name, None)
+        self._members[m.rank] = m
+        self._by_name[m.name] = m
+        if m.rank != self.rank:
+            self.io.set_address(m.rank, m.address)
+
+    def _remove_member(self, rank: int) -> None:
+        m = self._members.pop(rank, None)
+        if m is None:
+            return
+        self._by_name.pop(m.name, None)
+        self.io.forget(rank)
+        for mid, p in list(self._pending.items()):
+            if p.peer == rank and self._pending.pop(mid, None) is not None:
+                p.future.set_exception(WorkerGoneError(m.name))
+
+    # -- calls: caller side --------------------------------------------------
+    def rpc_async(self, to: Any, fn: Callable, args: tuple | None = None,
+                  kwargs: dict | None = None, timeout: float = -1.0) -> RpcFuture:
+        """Run ``fn(*args, **kwargs)`` on ``to``; returns a future of the result."""
+        if not callable(fn):
+            raise TypeError(f"func must be callable, got {type(fn).__name__}")
+        return self.request(to, Call(fn, tuple(args or ()), dict(kwargs or {})), timeout)
+
+    def request(self, to: Any, msg: Any, timeout: float = -1.0) -> RpcFuture:
+        """Send a typed request; the future completes with the handler's answer."""
+        if self.state not in ("ready", "stopping"):
+            raise ShutdownError(f"agent {self.name!r} is {self.state}; it takes no new calls")
+        peer = self.resolve(to).rank
+        if timeout is None or timeout < 0:
+            timeout = self.options.rpc_timeout
+        payload, buffers = dumps(msg, self)
+        mid = next(self._ids)
+        frames = pack(self._key, REQUEST, self.rank, mid, payload, buffers)
+        fut = RpcFuture(self._io_ident)
+        p = _Pending(fut, peer, msg.op, time.perf_counter())
+        self._pending[mid] = p
+        if timeout > 0:
+            p.timer = self.io.call_later(timeout, self._expire, mid, timeout)
+        with self._lock:
+            self.sent += 1
+        self.events.add("send", msg.op, self._peer_name(peer), mid,
+                        len(payload) + sum(b.raw().nbytes for b in buffers))
+        self.io.send(peer, frames)
+        return fut
+
+    def _io_ident(self) -> int | None:
+        return self.io.thread_ident
+
+    def _expire(self, mid: int, timeout: float) -> None:
+        p = self._pending.pop(mid, None)
+        if p is None:
+            return
+        self.timeouts += 1
+        name = self._peer_name(p.peer)
+        self.events.add("timeout", p.op, name, mid, 0, time.perf_counter() - p.started)
+        p.future.set_exception(RpcTimeoutError(f"RPC {p.op!r}", timeout, worker=name))
+
+    def _complete(self, env: Envelope) -> None:
+        p = self._pending.pop(env.msg_id, None)
+        if p is None:
+            self.late_replies += 1
+            log.debug("discarding a late reply %d from rank %d", env.msg_id, env.sender)
+            return
+        if p.timer is not None:
+            IOLoop.cancel(p.timer)
+        name = self._peer_name(p.peer)
+        self.events.add("recv", p.op, name, env.msg_id, len(env.payload),
+                        time.perf_counter() - p.started)
+        try:
+            reply = loads(env.payload, env.buffers, self)
+        except Exception as e:
+            p.future.set_exception(SerializationError(
+                f"the answer from {name!r} could not be unpickled here: "
+                f"{type(e).__name__}: {e}"))
+            return
+        if type(reply) is Ok:
+            p.future.set_result(reply.value)
+        else:
+            self.remote_errors += 1
+            p.future.set_exception(_rebuild_error(reply))
+
+    # -- calls: callee side --------------------------------------------------
+    def _on_message(self, env: Envelope) -> None:
+        kind = env.kind
+        if kind == RESPONSE:
+            self._complete(env)
+        elif kind == REQUEST:
+            self.pool.submit(self._serve, env)
+        elif kind == CONTROL:
+            self._on_control(env)
+        else:
+            log.warning("dropping a message of unknown kind %d", kind)
+
+    def _serve(self, env: Envelope) -> None:
+        started = time.perf_counter()
+        op = "?"
+        try:
+            msg = loads(env.payload, env.buffers, self)
+            op = msg.op
+            handler = self.handlers.get(op)
+            if handler is None:
+                raise SerializationError(f"no handler for request op {op!r} on {self.name!r}")
+            result = handler(msg, env.sender)
+        except BaseException as e:
+            self._reply(env, self._error(e), op, started)
+            return
+        if type(result) is Deferred:
+            result.future.add_done_callback(
+                lambda f: self._reply_future(env, f, op, started))
+        else:
+            self._reply(env, Ok(result), op, started)
+
+    def _reply_future(self, env: Envelope, f: torch.futures.Future, op: str, started: float) -> None:
+        try:
+            reply: Any = Ok(f.value())
+        except BaseException as e:
+            reply = self._error(e)
+        self._reply(env, reply, op, started)
+
+    def _reply(self, env: Envelope, reply: Any, op: str, started: float) -> None:
+        try:
+            payload, buffers = dumps(reply, self)
+        except SerializationError as e:
+            payload, buffers = dumps(self._error(e), self)
+        self.io.send(env.sender, pack(self._key, RESPONSE, self.rank, env.msg_id, payload, buffers))
+        with self._lock:
+            self.served += 1
+        self.events.add("serve" if type(reply) is Ok else "serve-error", op,
+                        self._peer_name(env.sender), env.msg_id,
+                        len(payload) + sum(b.raw().nbytes for b in buffers),
+                        time.perf_counter() - started)
+
+    def _error(self, e: BaseException) -> Err:
+        tb = "".join(traceback.format_exception(type(e), e, e.__traceback__))
+        try:
+            exc_pickle = cloudpickle.dumps(e) if isinstance(e, Exception) else None
+        except Exception:
+            exc_pickle = None
+        return Err(self.name, f"{type(e).__module__}.{type(e).__qualname__}", str(e), tb, exc_pickle)
+
+    def _handle_call(self, msg: Call, sender: int) -> Any:
+        fn = msg.fn
+        if getattr(fn, "_wrapped_async_rpc_function", None) is not None:
+            fut = fn(*msg.args, **msg.kwargs)
+            if not isinstance(fut, torch._C.Future):
+                raise TypeError(
+                    f"{_qualname(fn)} is decorated with @async_execution, so it must return "
+                    f"a torch.futures.Future; it returned {type(fut).__name__}.")
+            return Deferred(fut)
+        return fn(*msg.args, **msg.kwargs)
+
+    # -- control -------------------------------------------------------------
+    def _send_control(self, rank: int, msg: Any) -> None:
+        payload, buffers = dumps(msg)
+        self.io.send(rank, pack(self._key, CONTROL, self.rank, 0, payload, buffers))
+
+    def _on_control(self, env: Envelope) -> None:
+        msg = loads(env.payload, env.buffers)
+        t = type(msg)
+        if t is Members:
+            if msg.error:
+                self._join_error = msg.error
+            else:
+                self._set_members(msg.members)
+            self._joined.set()
+        elif t is MemberJoined:
+            self._add_member(msg.member)
+        elif t is MemberLeft:
+            self._remove_member(msg.rank)
+        elif t is DrainVerdict:
+            ev = self._verdicts.get(msg.round)
+            if isinstance(ev, threading.Event):
+                self._verdicts[msg.round] = msg.done
+                ev.set()
+        elif self._coordinator is None:
+            log.warning("rank %d sent %s to a non-coordinator", env.sender, t.__name__)
+        elif t is Join:
+            self._on_join(msg)
+        elif t is Leave:
+            self._dispatch(self._coordinator.on_leave(msg.rank))
+            self._remove_member(msg.rank)
+        elif t is DrainReport:
+            self._dispatch(self._coordinator.on_drain_report(env.sender, msg))
+
+    def _on_join(self, join: Join) -> None:
+        m = join.member
+        if m.rank != self.rank:
+            self.io.set_address(m.rank, m.address)
+        self._dispatch(self._coordinator.on_join(join))
+
+    def _dispatch(self, outbox: list) -> None:
+        for rank, msg in outbox:
+            self._send_control(rank, msg)
+
+    # -- observability -------------------------------------------------------
+    def snapshot(self, events: int | None = 200) -> dict[str, Any]:
+        """This agent's state as plain data (the debug layer gathers these)."""
+        now = time.perf_counter()
+        snap = {
+            "name": self.name,
+            "rank": self.rank,
+            "address": self.address,
+            "state": self.state,
+            "world_size": self.world_size,
+            "members": [{"name": m.name, "rank": m.rank, "address": m.address}
+                        for m in sorted(self._members.values(), key=lambda m: m.rank)],
+            "counters": {
+                "requests_sent": self.sent,
+                "requests_served": self.served,
+                "messages_sent": self.io.sent_msgs,
+                "messages_received": self.io.recv_msgs,
+                "bytes_sent": self.io.sent_bytes,
+                "bytes_received": self.io.recv_bytes,
+                "dropped_bad_signature": self.io.dropped_bad,
+                "in_flight": len(self._pending),
+                "timeouts": self.timeouts,
+                "late_replies": self.late_replies,
+                "remote_errors": self.remote_errors,
+                "threads": self.pool.size,
+                "busy_threads": self.pool.busy,
+                "queued": self.pool.queued,
+            },
+            "in_flight": [
+                {"msg_id": mid, "op": p.op, "peer": self._peer_name(p.peer),
+                 "age": now - p.started}
+                for mid, p in list(self._pending.items())
+            ],
+            "events": self.events.records(events),
+        }
+        for name, section in self.snapshot_sections.items():
+            snap[name] = section()
+        return snap
+
+    def __repr__(self) -> str:
+        return f"<nbrpc Agent {self.name!r} rank={self.rank} {self.state} at {self.address}>"
+
+
+def _rebuild_error(err: Err) -> BaseException:
+    exc: Any = None
+    if err.exc_pickle is not None:
+        try:
+            exc = cloudpickle.loads(err.exc_pickle)
+        except Exception:
+            exc = None
+    if not isinstance(exc, Exception):
+        return RemoteError(err.worker, err.type_name, err.message, err.traceback)
+    exc.__cause__ = RemoteTraceback(f'\n"""\n{err.traceback.rstrip()}\n"""')
+    try:
+        exc.remote_worker = err.worker
+        exc.remote_traceback = err.traceback
+    except Exception:
+        pass
+    if hasattr(exc, "add_note"):
+        exc.add_note(f"(raised on worker {err.worker!r}; its traceback is shown above)")
+    return exc
+
+
+def _check_name(name: Any) -> None:
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"a worker name must be a non-empty string, got {name!r}")
+    if len(name) > 128 or not all(c.isalnum() or c in "_-.:" for c in name):
+        raise ValueError(
+            f"worker name {name!r} may contain only letters, digits and _ - . : "
+            "(at most 128 characters)")
+
+
+def _qualname(fn: Any) -> str:
+    return getattr(fn, "__qualname__", None) or repr(fn)

@@ -1,0 +1,37 @@
+"""A bounded in-memory log of what an agent did, as plain tuples.
+
+Appending is one ``deque.append`` of a tuple on the message path; turning
+entries into dicts happens only when somebody asks (:meth:`EventLog.records`).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from typing import Any
+
+MESSAGE_FIELDS = ("time", "event", "op", "peer", "msg_id", "nbytes", "duration")
+
+
+class EventLog:
+    """Message events: ``send``/``recv`` of requests and responses, errors, drops."""
+
+    def __init__(self, maxlen: int = 10_000) -> None:
+        self._entries: deque[tuple] = deque(maxlen=maxlen)
+        self.clock = time.time
+
+    def add(self, event: str, op: str, peer: str, msg_id: int, nbytes: int,
+            duration: float | None = None) -> None:
+        self._entries.append((self.clock(), event, op, peer, msg_id, nbytes, duration))
+
+    def records(self, last: int | None = None) -> list[dict[str, Any]]:
+        entries = list(self._entries)
+        if last is not None:
+            entries = entries[-last:]
+        return [dict(zip(MESSAGE_FIELDS, e)) for e in entries]
+
+    def clear(self) -> None:
+        self._entries.clear()
+
+    def __len__(self) -> int:
+        return len(self._entries)

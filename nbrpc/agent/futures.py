@@ -1,0 +1,51 @@
+"""The future type returned by ``rpc_async``: a ``torch.futures.Future``.
+
+It adds one thing: :meth:`RpcFuture.wait` from the main thread can be
+interrupted (Jupyter's interrupt button raises KeyboardInterrupt within a
+second) and leaves the future, the call and the agent intact, so the same
+future can be waited on again. ``torch.futures.wait_all``, ``collect_all``
+and ``.then()`` work as for any torch future.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Callable, TypeVar
+
+import torch
+
+T = TypeVar("T")
+
+_SLICE = 0.25  # seconds between checks while waiting; bounds interrupt latency
+
+
+class RpcFuture(torch.futures.Future):
+    """A torch future completed by an nbrpc agent."""
+
+    def __init__(self, io_ident: Callable[[], int | None] | None = None) -> None:
+        super().__init__()
+        self._io_ident = io_ident
+
+    def wait(self) -> Any:
+        if not self.done():
+            self._block()
+        return super().wait()
+
+    def _block(self) -> None:
+        if self._io_ident is not None and threading.get_ident() == self._io_ident():
+            raise RuntimeError(
+                "A future was waited on from nbrpc's I/O thread (inside a callback "
+                "given to .then() or add_done_callback). That would deadlock: chain "
+                "another .then() instead of calling wait() or rpc_sync() in a callback."
+            )
+        done = threading.Event()
+        self.add_done_callback(lambda _f: done.set())
+        while not done.wait(_SLICE):
+            pass
+
+
+def completed(value: Any) -> RpcFuture:
+    """A future that is already done with ``value``."""
+    f = RpcFuture()
+    f.set_result(value)
+    return f

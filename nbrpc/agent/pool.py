@@ -1,0 +1,89 @@
+"""A pool of up to ``num_worker_threads`` threads that run incoming calls.
+
+Threads start on demand (an idle agent holds none beyond the first), so a
+freshly started agent costs little memory; ``busy`` counts the threads
+running a task right now.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from typing import Any, Callable
+
+log = logging.getLogger(__name__)
+
+_STOP = object()
+
+
+class WorkerPool:
+    def __init__(
+        self, max_threads: int, name: str, on_thread_start: Callable[[], None] | None = None
+    ) -> None:
+        if max_threads < 1:
+            raise ValueError(f"num_worker_threads must be >= 1, got {max_threads}")
+        self.max_threads = max_threads
+        self._name = name
+        self._on_start = on_thread_start
+        self._q: queue.SimpleQueue = queue.SimpleQueue()
+        self._threads: list[threading.Thread] = []
+        self._lock = threading.Lock()
+        self._idle = 0
+        self._stopped = False
+
+    @property
+    def size(self) -> int:
+        return len(self._threads)
+
+    @property
+    def busy(self) -> int:
+        return len(self._threads) - self._idle
+
+    @property
+    def queued(self) -> int:
+        return self._q.qsize()
+
+    def submit(self, fn: Callable, *args: Any) -> None:
+        self._q.put((fn, args))
+        if self._idle == 0 and len(self._threads) < self.max_threads and not self._stopped:
+            with self._lock:
+                if self._idle == 0 and len(self._threads) < self.max_threads:
+                    t = threading.Thread(
+                        target=self._work, name=f"{self._name}-{len(self._threads)}", daemon=True
+                    )
+                    self._threads.append(t)
+                    self._idle += 1
+                    t.start()
+
+    def _work(self) -> None:
+        if self._on_start is not None:
+            self._on_start()
+        q, lock = self._q, self._lock
+        while True:
+            item = q.get()
+            if item is _STOP:
+                with lock:
+                    self._idle -= 1
+                return
+            with lock:
+                self._idle -= 1
+            fn, args = item
+            try:
+                fn(*args)
+            except BaseException:  # a task's failure must not kill the thread
+                log.exception("nbrpc worker task %r failed", fn)
+            with lock:
+                self._idle += 1
+
+    def stop(self, timeout: float = 5.0) -> list[str]:
+        """Ask every thread to finish; returns the names of those still running."""
+        self._stopped = True
+        for _ in self._threads:
+            self._q.put(_STOP)
+        stuck = []
+        for t in self._threads:
+            t.join(timeout)
+            if t.is_alive():
+                stuck.append(t.name)
+        return stuck

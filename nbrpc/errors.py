@@ -1,0 +1,127 @@
+"""Every exception nbrpc raises, in one shallow tree.
+
+Errors carry fields (worker, timeout, request id) and say what to do next.
+Where PyTorch's RPC raises ``RuntimeError`` for the same situation, ours
+subclasses ``RuntimeError`` too, so code written against
+``torch.distributed.rpc`` keeps catching what it caught before.
+
+::
+
+    NbrpcError (RuntimeError)
+    ├── NotInitializedError        init_rpc() has not been called
+    ├── AlreadyInitializedError    init_rpc() twice without shutdown()
+    ├── UnknownWorkerError         destination name / rank not in the group
+    ├── RpcTimeoutError            also a TimeoutError
+    ├── WorkerGoneError            the peer left the group or died
+    ├── SerializationError         an argument or result could not be pickled
+    ├── RendezvousError            init_rpc could not form the group
+    ├── ShutdownError              the agent is shutting down
+    └── RemoteError                a remote failure whose type did not unpickle
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+
+class NbrpcError(RuntimeError):
+    """Base class of every nbrpc error."""
+
+
+class NotInitializedError(NbrpcError):
+    def __init__(self, what: str = "this call") -> None:
+        super().__init__(
+            f"RPC has not been initialized, so {what} cannot run. "
+            "Call nbrpc.rpc.init_rpc(name, rank=..., world_size=...) first "
+            "(in a notebook: %rpc_cluster start N)."
+        )
+
+
+class AlreadyInitializedError(NbrpcError):
+    def __init__(self, name: str) -> None:
+        super().__init__(
+            f"RPC is already initialized in this process as {name!r}. "
+            "Call nbrpc.rpc.shutdown() before init_rpc() again."
+        )
+
+
+class UnknownWorkerError(NbrpcError, KeyError):
+    """Raised when a destination names no member of the group."""
+
+    def __init__(self, dest: object, known: Iterable[str]) -> None:
+        self.dest = dest
+        self.known = sorted(known)
+        what = f"named {dest!r}" if isinstance(dest, str) else f"with rank {dest!r}"
+        NbrpcError.__init__(
+            self, f"No worker {what}; known: {', '.join(self.known) or '(none)'}"
+        )
+
+    def __str__(self) -> str:  # KeyError would otherwise quote the message
+        return self.args[0]
+
+
+class RpcTimeoutError(NbrpcError, TimeoutError):
+    """A call, a fetch or a rendezvous ran past its timeout."""
+
+    def __init__(self, what: str, timeout: float, worker: str | None = None) -> None:
+        self.timeout = timeout
+        self.worker = worker
+        where = f" on {worker!r}" if worker else ""
+        super().__init__(
+            f"{what}{where} ran for more than the set timeout ({timeout:g} s) and was "
+            "marked failed. Pass a larger timeout= (0 means no timeout), or check that "
+            "the worker is not blocked."
+        )
+
+
+class WorkerGoneError(NbrpcError, ConnectionError):
+    """The destination left the group, or stopped answering."""
+
+    def __init__(self, worker: str, why: str = "left the group") -> None:
+        self.worker = worker
+        super().__init__(f"Worker {worker!r} {why}; calls to it cannot complete.")
+
+
+class SerializationError(NbrpcError):
+    """An argument, a result or an exception could not be pickled."""
+
+
+class RendezvousError(NbrpcError):
+    """init_rpc could not form the group (bad init_method, duplicate name, ...)."""
+
+
+class ShutdownError(NbrpcError):
+    """The agent is shutting down and takes no new calls."""
+
+
+class RemoteTraceback(Exception):
+    """Holds a remote traceback as text; attached as ``__cause__`` of re-raised errors."""
+
+    def __init__(self, tb: str) -> None:
+        super().__init__(tb)
+        self.tb = tb
+
+    def __str__(self) -> str:
+        return self.tb
+
+
+class RemoteError(NbrpcError):
+    """A remote failure whose exception type could not be rebuilt here.
+
+    Keeps the worker, the remote type's qualified name, its message and the
+    remote traceback, like ipyparallel's ``RemoteError``.
+    """
+
+    def __init__(self, worker: str, type_name: str, message: str, traceback: str) -> None:
+        self.worker = worker
+        self.type_name = type_name
+        self.message = message
+        self.traceback = traceback
+        super().__init__(f"{type_name} on {worker!r}: {message}")
+
+    def __reduce__(self):
+        return (RemoteError, (self.worker, self.type_name, self.message, self.traceback))
+
+    def _render_traceback_(self) -> list[str]:
+        """IPython shows the remote traceback instead of the local one."""
+        return [f"RemoteError on {self.worker!r}:", *self.traceback.rstrip().splitlines()]

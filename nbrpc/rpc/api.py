@@ -1,0 +1,147 @@
+"""The public RPC calls, with ``torch.distributed.rpc``'s names and signatures.
+
+Each call runs through the *current agent*: inside a function running on an
+agent's worker thread that is that agent (so several agents can share a test
+process); anywhere else it is the one ``init_rpc`` started.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from typing import Any, Callable
+
+from ..agent import Agent, AgentOptions, RpcFuture, WorkerInfo, current_agent, set_default_agent
+from ..agent.agent import _Default
+from ..errors import AlreadyInitializedError, RendezvousError
+from ..rref import RRef
+from ..rref import remote as _remote
+from . import rendezvous
+from .options import UNSET_RPC_TIMEOUT, BackendType, read_options
+
+log = logging.getLogger(__name__)
+_init_lock = threading.Lock()
+
+
+def init_rpc(
+    name: str,
+    backend: Any = None,
+    rank: int = -1,
+    world_size: int | None = None,
+    rpc_backend_options: Any = None,
+) -> None:
+    """Start this process's agent and join the group.
+
+    With ``world_size=N`` it returns once all N ranks have joined; with
+    ``world_size=None`` members may join and leave a running group. Rank 0
+    coordinates. ``rpc_backend_options`` may be nbrpc's or PyTorch's
+    ``TensorPipeRpcBackendOptions``.
+
+    >>> init_rpc("solo", rank=0, world_size=1, rpc_backend_options=_free_port_options())
+    >>> rpc_sync("solo", max, args=(3, 7))
+    7
+    >>> shutdown()
+    """
+    if backend is not None and getattr(backend, "name", None) not in ("TENSORPIPE", "NBRPC"):
+        raise ValueError(f"backend {backend!r} is not supported; nbrpc accepts "
+                         f"{BackendType.TENSORPIPE} (or None)")
+    if rank is None or rank < 0:
+        rank = int(os.environ.get("RANK", -1))
+    if rank < 0:
+        raise ValueError("init_rpc needs rank >= 0 (pass rank=..., or set RANK)")
+    if world_size is None and "WORLD_SIZE" in os.environ and rpc_backend_options is None:
+        world_size = int(os.environ["WORLD_SIZE"])
+    threads, timeout, init_method = read_options(rpc_backend_options)
+    with _init_lock:
+        if _Default.agent is not None:
+            raise AlreadyInitializedError(_Default.agent.name)
+        rdv = rendezvous.parse(init_method, rank)
+        coordinator, key = rdv.coordinator, rdv.key
+        if rdv.file is not None:
+            if rank == 0:
+                key = rendezvous.file_key()
+            else:
+                coordinator, key = rendezvous.lookup(rdv.file, timeout)
+        opts = AgentOptions(num_worker_threads=threads, rpc_timeout=timeout,
+                            host=rdv.bind_host, port=rdv.bind_port)
+        agent = Agent(name, rank, key, world_size=world_size, options=opts)
+        if rdv.file is not None and rank == 0:
+            rendezvous.publish(rdv.file, agent.address, key)
+            agent.ext["rendezvous_file"] = rdv.file
+        try:
+            agent.start(coordinator, timeout if timeout > 0 else 60.0)
+        except RendezvousError:
+            raise
+        set_default_agent(agent)
+
+
+def shutdown(graceful: bool = True, timeout: float = 0) -> None:
+    """Stop this process's agent.
+
+    ``graceful=True`` first waits until no call is outstanding anywhere in
+    the group (every worker calls shutdown). ``timeout`` bounds that wait
+    (0: the RPC timeout, 60 s by default); past it the agent stops anyway
+    and the timeout is raised.
+    """
+    agent = _Default.agent
+    if agent is None:
+        return
+    try:
+        agent.shutdown(graceful=graceful, timeout=timeout)
+    finally:
+        set_default_agent(None)
+        path = agent.ext.get("rendezvous_file")
+        if path:
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
+
+
+def rpc_async(to: Any, func: Callable, args: tuple | None = None,
+              kwargs: dict | None = None, timeout: float = UNSET_RPC_TIMEOUT) -> RpcFuture:
+    """Run ``func(*args, **kwargs)`` on ``to`` (name, rank or WorkerInfo); returns a
+    ``torch.futures.Future`` of its result. ``timeout`` in seconds: -1 uses the
+    agent's default, 0 means none."""
+    return current_agent("rpc_async").rpc_async(to, func, args, kwargs, timeout)
+
+
+def rpc_sync(to: Any, func: Callable, args: tuple | None = None,
+             kwargs: dict | None = None, timeout: float = UNSET_RPC_TIMEOUT) -> Any:
+    """Run ``func(*args, **kwargs)`` on ``to`` and return its result (blocks,
+    interruptibly). Remote exceptions re-raise here with their original type."""
+    return current_agent("rpc_sync").rpc_async(to, func, args, kwargs, timeout).wait()
+
+
+def remote(to: Any, func: Callable, args: tuple | None = None,
+           kwargs: dict | None = None, timeout: float = UNSET_RPC_TIMEOUT) -> RRef:
+    """Create ``func(*args, **kwargs)`` on ``to`` and return an RRef to it at once."""
+    if not callable(func):
+        raise TypeError(f"func must be callable, got {type(func).__name__}")
+    agent = current_agent("remote")
+    return _remote(agent, to, func, tuple(args or ()), dict(kwargs or {}), timeout)
+
+
+def get_worker_info(worker_name: str | None = None) -> WorkerInfo:
+    """This worker's WorkerInfo, or the named worker's."""
+    agent = current_agent("get_worker_info")
+    if worker_name is None:
+        return agent.info
+    m = agent.resolve(worker_name)
+    return WorkerInfo(m.name, m.rank)
+
+
+def get_rpc_timeout() -> float:
+    """The default timeout of this agent's calls, in seconds."""
+    return current_agent("get_rpc_timeout").options.rpc_timeout
+
+
+def _get_current_rpc_agent() -> Agent:
+    return current_agent()
+
+
+def _free_port_options() -> Any:
+    from ..rref.rref import _local_opts
+
+    return _local_opts()

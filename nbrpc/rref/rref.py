@@ -1,0 +1,314 @@
+"""RRef: a reference to a value that lives on one worker (its owner).
+
+::
+
+    user (caller)                         owner
+      remote(owner, f) ── Remote(id, fork) ─▶ runs f, stores value under id
+      ◀──────────────── Ok (confirmed) ──────
+      rref.to_here()  ─── Fetch(id) ────────▶ waits for the value
+      ◀──────────────── Ok(value) ───────────
+      del rref (GC)   ─── Delete(id, fork) ─▶ drops the fork; value freed
+                                              when no fork and no owner RRef
+
+A user's deletion only queues a message for the I/O thread; ``__del__`` does
+no I/O. Sending an RRef inside RPC arguments or results (forking) is not
+supported yet: it needs the rest of the fork protocol (pending children,
+confirmations), and raises a clear error until then.
+"""
+
+from __future__ import annotations
+
+import sys
+import weakref
+from dataclasses import dataclass
+from typing import Any, ClassVar, Generic, TypeVar
+
+from ..agent import Agent, Deferred, WorkerInfo, current_agent, register_extension
+from ..errors import NbrpcError
+from ..serialize import register_reducer
+from .state import ForkId, OwnerTable, RRefId
+
+T = TypeVar("T")
+
+
+# -- messages ---------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class Remote:
+    op: ClassVar[str] = "remote"
+    fn: Any
+    args: tuple
+    kwargs: dict
+    rref_id: RRefId
+    fork_id: ForkId | None  # None when the caller is the owner itself
+    site: str
+
+
+@dataclass(frozen=True, slots=True)
+class Fetch:
+    op: ClassVar[str] = "rref_fetch"
+    rref_id: RRefId
+
+
+@dataclass(frozen=True, slots=True)
+class Delete:
+    op: ClassVar[str] = "rref_delete"
+    rref_id: RRefId
+    fork_id: ForkId
+
+
+# -- per-agent RRef context -----------------------------------------------------
+class RRefContext:
+    """The RRef state of one agent: its owner table and its user forks."""
+
+    def __init__(self, agent: Agent) -> None:
+        self.agent = agent
+        self.owned = OwnerTable(agent.rank)
+        self.users: dict[ForkId, weakref.ref] = {}
+
+    def handle_remote(self, msg: Remote, sender: int) -> None:
+        entry = self.owned.create(msg.rref_id, msg.site, fork=msg.fork_id)
+        try:
+            value = msg.fn(*msg.args, **msg.kwargs)
+        except BaseException as e:  # stored: to_here() and proxies re-raise it
+            entry.value.set_exception(e)
+            return None
+        entry.value.set_result(value)
+        return None
+
+    def handle_fetch(self, msg: Fetch, sender: int) -> Deferred:
+        return Deferred(self._entry(msg.rref_id).value)
+
+    def handle_delete(self, msg: Delete, sender: int) -> bool:
+        return self.owned.remove_fork(msg.rref_id, msg.fork_id)
+
+    def _entry(self, rref_id: RRefId):
+        entry = self.owned.get(rref_id)
+        if entry is None:
+            raise NbrpcError(
+                f"RRef {rref_id} is not owned by {self.agent.name!r} any more (all its "
+                "references were deleted), or was never created there.")
+        return entry
+
+    def local_value(self, rref_id: RRefId) -> Any:
+        return self._entry(rref_id).value.wait()
+
+    def snapshot(self) -> dict[str, Any]:
+        users = []
+        for fork, ref in list(self.users.items()):
+            r = ref()
+            if r is not None:
+                users.append({"rref_id": str(r._id), "fork_id": str(fork),
+                              "owner": self.agent._peer_name(r._owner),
+                              "confirmed": r.confirmed_by_owner(), "site": r._site})
+        return {"owned": self.owned.snapshot(), "users": users,
+                "owned_deleted": self.owned.deleted}
+
+
+def _install(agent: Agent) -> None:
+    ctx = RRefContext(agent)
+    agent.ext["rref"] = ctx
+    agent.handlers[Remote.op] = ctx.handle_remote
+    agent.handlers[Fetch.op] = ctx.handle_fetch
+    agent.handlers[Delete.op] = ctx.handle_delete
+    agent.snapshot_sections["rrefs"] = ctx.snapshot
+
+
+register_extension(_install)
+
+
+def _creation_site() -> str:
+    """``file:line`` of the user code that created an RRef (notebook cells included)."""
+    f = sys._getframe(1)
+    while f is not None and f.f_globals.get("__name__", "").partition(".")[0] == "nbrpc":
+        f = f.f_back
+    return f"{f.f_code.co_filename}:{f.f_lineno}" if f is not None else "?"
+
+
+# -- the RRef object ---------------------------------------------------------------
+class RRef(Generic[T]):
+    """A remote reference (``torch.distributed.rpc.RRef``'s API).
+
+    ``RRef(value)`` makes an owner RRef for a local value; ``remote()``
+    returns user RRefs.
+
+    >>> from nbrpc.rpc import init_rpc, shutdown, remote
+    >>> init_rpc("doc", rank=0, world_size=1, rpc_backend_options=_local_opts())
+    >>> r = remote("doc", sum, args=([1, 2, 3],))
+    >>> r.to_here(), r.owner_name(), r.is_owner()
+    (6, 'doc', True)
+    >>> shutdown()
+    """
+
+    __slots__ = ("_agent", "_id", "_fork", "_owner", "_site", "_creation", "_error",
+                 "_holder", "__weakref__")
+
+    def __init__(self, value: T, type_hint: Any = None) -> None:
+        agent = current_agent("RRef(value)")
+        ctx: RRefContext = agent.ext["rref"]
+        self._agent, self._owner, self._fork = agent, agent.rank, None
+        self._id = ctx.owned.new_id()
+        self._site = _creation_site()
+        self._creation = None
+        self._error = None
+        entry = ctx.owned.create(self._id, self._site, owner_ref=True)
+        entry.value.set_result(value)
+        weakref.finalize(self, ctx.owned.release_owner_ref, self._id)
+
+    @classmethod
+    def _new(cls, agent: Agent, owner: int, site: str) -> RRef:
+        self = object.__new__(cls)
+        ctx: RRefContext = agent.ext["rref"]
+        self._agent, self._owner, self._site = agent, owner, site
+        self._id = ctx.owned.new_id()
+        self._creation = None
+        self._error = None
+        if owner == agent.rank:
+            self._fork = None
+            ctx.owned.create(self._id, site, owner_ref=True)
+            weakref.finalize(self, ctx.owned.release_owner_ref, self._id)
+        else:
+            self._fork = ctx.owned.new_id()
+            ctx.users[self._fork] = weakref.ref(self)
+            # the creation future, once known: a delete must not overtake the creation
+            self._holder: list = [None]
+            weakref.finalize(self, _release_user, agent, owner, self._id, self._fork,
+                             self._holder)
+        return self
+
+    # -- identity --------------------------------------------------------------
+    def owner(self) -> WorkerInfo:
+        m = self._agent._members.get(self._owner)
+        return WorkerInfo(m.name if m else f"rank{self._owner}", self._owner)
+
+    def owner_name(self) -> str:
+        return self.owner().name
+
+    def is_owner(self) -> bool:
+        return self._owner == self._agent.rank
+
+    def confirmed_by_owner(self) -> bool:
+        if self.is_owner():
+            return True
+        return self._creation is not None and self._creation.done() and self._error is None
+
+    # -- values ----------------------------------------------------------------
+    def local_value(self) -> T:
+        if not self.is_owner():
+            raise NbrpcError(
+                f"local_value() works only on the owner ({self.owner_name()!r}); this RRef "
+                f"is a user copy on {self._agent.name!r}. Call to_here() instead.")
+        return self._agent.ext["rref"].local_value(self._id)
+
+    def to_here(self, timeout: float = -1.0) -> T:
+        """The value, copied to this worker (waits for it to exist)."""
+        if self.is_owner():
+            return self.local_value()
+        if self._error is not None:
+            raise self._error
+        return self._agent.request(self._owner, Fetch(self._id), timeout).wait()
+
+    # -- proxies -----------------------------------------------------------------
+    def rpc_sync(self, timeout: float = -1.0) -> Any:
+        """``rref.rpc_sync().method(*args)`` runs ``method`` on the owner's value."""
+        return _Proxy(self, "rpc_sync", timeout)
+
+    def rpc_async(self, timeout: float = -1.0) -> Any:
+        return _Proxy(self, "rpc_async", timeout)
+
+    def remote(self, timeout: float = -1.0) -> Any:
+        return _Proxy(self, "remote", timeout)
+
+    def __repr__(self) -> str:
+        role = "owner" if self.is_owner() else f"user fork {self._fork}"
+        state = "confirmed" if self.confirmed_by_owner() else (
+            "failed" if self._error is not None else "pending")
+        return f"RRef(id={self._id}, owner={self.owner_name()!r}, {role}, {state})"
+
+
+def _release_user(agent: Agent, owner: int, rref_id: RRefId, fork: ForkId,
+                  holder: list) -> None:
+    """Finalizer of a user RRef: only queues work for the I/O thread."""
+    agent.ext["rref"].users.pop(fork, None)
+    if agent.state in ("ready", "stopping"):
+        agent.io.call_soon(_send_delete, agent, owner, rref_id, fork, holder[0])
+
+
+def _send_delete(agent: Agent, owner: int, rref_id: RRefId, fork: ForkId,
+                 creation: Any) -> None:
+    if agent.state not in ("ready", "stopping") or owner not in agent._members:
+        return
+    if creation is not None and not creation.done():  # wait for the owner's ack first
+        creation.add_done_callback(
+            lambda _f: agent.io.call_soon(_send_delete, agent, owner, rref_id, fork, None))
+        return
+    agent.request(owner, Delete(rref_id, fork))
+
+
+def _refuse_pickle(rref: RRef) -> tuple:
+    raise NbrpcError(
+        f"{rref!r} cannot be sent in RPC arguments or results yet: sharing an RRef needs "
+        "the fork protocol, which nbrpc does not implement yet. Pass the value "
+        "(rref.to_here()), or call the owner through rref.rpc_sync()/rpc_async().")
+
+
+register_reducer(RRef, _refuse_pickle)
+
+
+class _Proxy:
+    """``rref.rpc_sync()``: attribute access returns a callable for that method."""
+
+    __slots__ = ("_rref", "_how", "_timeout")
+
+    def __init__(self, rref: RRef, how: str, timeout: float) -> None:
+        self._rref, self._how, self._timeout = rref, how, timeout
+
+    def __getattr__(self, name: str) -> Any:
+        from ..rpc import api  # the rpc facade sits above this layer
+
+        rref, how, timeout = self._rref, self._how, self._timeout
+
+        def invoke(*args: Any, **kwargs: Any) -> Any:
+            call = getattr(api, how)
+            return call(rref._owner, _call_method_on_owner,
+                        args=(rref._id, name, args, kwargs), timeout=timeout)
+
+        invoke.__name__ = name
+        return invoke
+
+
+def _call_method_on_owner(rref_id: RRefId, name: str, args: tuple, kwargs: dict) -> Any:
+    value = current_agent().ext["rref"].local_value(rref_id)
+    return getattr(value, name)(*args, **kwargs)
+
+
+def remote(agent: Agent, to: Any, fn: Any, args: tuple, kwargs: dict, timeout: float) -> RRef:
+    """Create the value ``fn(*args, **kwargs)`` on ``to``; returns an RRef at once."""
+    owner = agent.resolve(to).rank
+    rref = RRef._new(agent, owner, _creation_site())
+    msg = Remote(fn, tuple(args), dict(kwargs), rref._id, rref._fork, rref._site)
+    fut = agent.request(owner, msg, timeout)
+    rref._creation = fut
+    if rref._fork is not None:
+        rref._holder[0] = fut
+
+    def _done(f: Any, ref: Any = weakref.ref(rref)) -> None:
+        r = ref()
+        if r is None:
+            return
+        try:
+            f.value()
+        except Exception as e:
+            r._error = e
+
+    fut.add_done_callback(_done)
+    return rref
+
+
+def _local_opts() -> Any:  # for the docstring example: loopback, a free port
+    from ..rpc import TensorPipeRpcBackendOptions
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    return TensorPipeRpcBackendOptions(init_method=f"tcp://127.0.0.1:{port}")

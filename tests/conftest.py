@@ -1,0 +1,63 @@
+"""Shared fixtures: an in-process group of agents that starts in milliseconds."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+import pytest
+
+from nbrpc.agent import Agent, AgentOptions
+from nbrpc.transport import new_key
+
+
+@contextmanager
+def local_group(names: list[str], threads: int = 4, rpc_timeout: float = 10.0,
+                dynamic: bool = False) -> Iterator[list[Agent]]:
+    """Agents ``names`` (rank = position) in this process, joined as one group."""
+    key = new_key()
+    opts = lambda: AgentOptions(num_worker_threads=threads, rpc_timeout=rpc_timeout)  # noqa: E731
+    ws = None if dynamic else len(names)
+    agents = [Agent(n, r, key, world_size=ws, options=opts()) for r, n in enumerate(names)]
+    coordinator = agents[0].address
+    starters = [threading.Thread(target=a.start, args=(None if a.rank == 0 else coordinator, 10))
+                for a in agents]
+    for t in starters:
+        t.start()
+    for t in starters:
+        t.join(15)
+    assert all(a.state == "ready" for a in agents), [a.state for a in agents]
+    try:
+        yield agents
+    finally:
+        stoppers = [threading.Thread(target=a.shutdown, kwargs={"timeout": 10}) for a in agents]
+        for t in stoppers:
+            t.start()
+        for t in stoppers:
+            t.join(20)
+
+
+def poll_for(condition: Callable[[], bool], timeout: float = 5.0, interval: float = 0.005) -> bool:
+    """Wait until ``condition()`` is true; False if ``timeout`` passes first."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(interval)
+    return condition()
+
+
+@pytest.fixture
+def trio() -> Iterator[list[Agent]]:
+    with local_group(["a", "b", "c"]) as agents:
+        yield agents
+
+
+@pytest.fixture(autouse=True)
+def no_thread_leak() -> Iterator[None]:
+    """Every test must leave no nbrpc thread behind."""
+    yield
+    assert poll_for(lambda: not [t for t in threading.enumerate() if t.name.startswith("nbrpc")],
+                    timeout=5), [t.name for t in threading.enumerate()]

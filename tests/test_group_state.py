@@ -1,0 +1,81 @@
+"""Membership and shutdown-agreement protocol state, with no network."""
+
+from __future__ import annotations
+
+from nbrpc.agent.group import Coordinator
+from nbrpc.agent.messages import (
+    DrainReport,
+    DrainVerdict,
+    Join,
+    Member,
+    MemberJoined,
+    MemberLeft,
+    Members,
+)
+
+
+def m(name: str, rank: int) -> Member:
+    return Member(name, rank, f"tcp://127.0.0.1:{5000 + rank}")
+
+
+def test_static_group_answers_everyone_once_complete() -> None:
+    c = Coordinator(3)
+    assert c.on_join(Join(m("a", 0), 3)) == []
+    assert c.on_join(Join(m("b", 1), 3)) == []
+    out = c.on_join(Join(m("c", 2), 3))
+    assert sorted(r for r, _ in out) == [0, 1, 2]
+    assert all(isinstance(msg, Members) and len(msg.members) == 3 for _, msg in out)
+
+
+def test_duplicate_name_and_rank_are_refused_with_a_reason() -> None:
+    c = Coordinator(3)
+    c.on_join(Join(m("a", 0), 3))
+    [(rank, reply)] = c.on_join(Join(m("a", 1), 3))
+    assert rank == 1 and "name 'a' is taken" in reply.error
+    [(_, reply)] = c.on_join(Join(m("z", 0), 3))
+    assert "rank 0 is taken" in reply.error
+    [(_, reply)] = c.on_join(Join(m("q", 7), 3))
+    assert "outside 0..2" in reply.error
+    [(_, reply)] = c.on_join(Join(m("w", 1), 4))
+    assert "world_size=4" in reply.error
+
+
+def test_dynamic_group_join_and_leave() -> None:
+    c = Coordinator(None)
+    c.on_join(Join(m("driver", 0), None))
+    out = c.on_join(Join(m("w1", 1), None))
+    assert out[0][0] == 1 and isinstance(out[0][1], Members)
+    out = c.on_join(Join(m("w2", 2), None))
+    assert (1, MemberJoined(m("w2", 2))) in out
+    assert c.on_leave(2) == [(1, MemberLeft(2))]
+    assert c.on_leave(2) == []
+
+
+def _round(c: Coordinator, rnd: int, reports: dict[int, tuple[int, int, int]]) -> bool:
+    out = []
+    for rank, (active, sent, served) in reports.items():
+        out = c.on_drain_report(rank, DrainReport(rnd, active, sent, served))
+    assert all(isinstance(v, DrainVerdict) and v.round == rnd for _, v in out)
+    return out[0][1].done
+
+
+def _static(n: int) -> Coordinator:
+    c = Coordinator(n)
+    for r in range(n):
+        c.on_join(Join(m(f"w{r}", r), n))
+    return c
+
+
+def test_drain_needs_two_quiet_rounds_with_equal_sums() -> None:
+    c = _static(2)
+    assert c.on_drain_report(0, DrainReport(0, 0, 5, 3)) == []  # waits for everyone
+    assert not c.on_drain_report(1, DrainReport(0, 0, 3, 5))[0][1].done  # first quiet round
+    assert _round(c, 1, {0: (0, 5, 3), 1: (0, 3, 5)})  # unchanged: done
+
+
+def test_drain_continues_while_calls_are_in_flight_or_counts_move() -> None:
+    c = _static(2)
+    assert not _round(c, 0, {0: (1, 5, 3), 1: (0, 3, 4)})  # active call
+    assert not _round(c, 1, {0: (0, 5, 3), 1: (0, 3, 5)})  # quiet, but first quiet round
+    assert not _round(c, 2, {0: (0, 6, 3), 1: (0, 3, 6)})  # a call slipped in between
+    assert _round(c, 3, {0: (0, 6, 3), 1: (0, 3, 6)})

@@ -1,0 +1,329 @@
+"""The in-process tier: several agents in one process, real sockets on loopback."""
+
+from __future__ import annotations
+
+import _thread
+import gc
+import threading
+import time
+
+import pytest
+import torch
+import zmq
+from conftest import local_group, poll_for
+
+from nbrpc import rpc
+from nbrpc.agent import current_agent
+from nbrpc.errors import (
+    NbrpcError,
+    RemoteError,
+    RpcTimeoutError,
+    SerializationError,
+    ShutdownError,
+    UnknownWorkerError,
+)
+from nbrpc.rpc.functions import async_execution
+
+
+# -- functions that run remotely (importable: pickled by reference) -------------
+def add(a, b=0):
+    return a + b
+
+
+def whoami():
+    return current_agent().name
+
+
+def nested(x, hops):
+    """Call the next agent in the chain from inside a call (A → B → C)."""
+    if not hops:
+        return [whoami(), x]
+    return [whoami(), *rpc.rpc_sync(hops[0], nested, args=(x + 1, hops[1:]))]
+
+
+def sleep_then(seconds, value):
+    time.sleep(seconds)
+    return value
+
+
+def fail(msg):
+    raise ValueError(msg)
+
+
+class Counter:
+    def __init__(self, start=0):
+        self.n = start
+
+    def incr(self, by=1):
+        self.n += by
+        return self.n
+
+
+@async_execution
+def async_chain(to, depth):
+    """Each level waits on the next without holding a worker thread."""
+    if depth == 0:
+        fut = torch.futures.Future()
+        fut.set_result(0)
+        return fut
+    return rpc.rpc_async(to, async_chain, args=(current_agent().name, depth - 1)).then(
+        lambda f: f.value() + 1)
+
+
+@async_execution
+def not_a_future():
+    return 3
+
+
+# -- calls -------------------------------------------------------------------------
+def test_builtin_and_python_functions_with_kwargs(trio) -> None:
+    a, b, c = trio
+    assert a.rpc_async("b", torch.add, (torch.ones(2), 1)).wait().tolist() == [2.0, 2.0]
+    assert a.rpc_async("b", add, (1,), {"b": 41}).wait() == 42
+    assert a.rpc_async("c", whoami).wait() == "c"
+
+
+def test_notebook_style_lambda_and_closure(trio) -> None:
+    a, _, _ = trio
+    k = 10
+    assert a.rpc_async("b", lambda x: x * k, (4,)).wait() == 40
+
+
+def test_nested_calls_chain(trio) -> None:
+    a, _, _ = trio
+    assert a.rpc_async("b", nested, (0, ["c", "a"])).wait() == ["b", "c", "a", 2]
+
+
+def test_destination_by_name_rank_and_workerinfo(trio) -> None:
+    a, b, _ = trio
+    assert a.rpc_async(1, whoami).wait() == "b"
+    assert a.rpc_async(b.info, whoami).wait() == "b"
+    assert a.rpc_async(rpc.WorkerInfo("c", 2), whoami).wait() == "c"
+
+
+def test_unknown_worker_names_it_and_lists_known(trio) -> None:
+    a, _, _ = trio
+    with pytest.raises(UnknownWorkerError, match=r"No worker named 'worker9'; known: a, b, c"):
+        a.rpc_async("worker9", whoami)
+    with pytest.raises(RuntimeError, match="with rank 7"):  # torch raises RuntimeError too
+        a.rpc_async(7, whoami)
+    with pytest.raises(TypeError, match="destination"):
+        a.rpc_async(3.5, whoami)
+
+
+def test_self_call_copies(trio) -> None:
+    a, _, _ = trio
+    x = torch.zeros(3)
+    y = a.rpc_async("a", torch.Tensor.add_, (x, 1)).wait()
+    assert y.tolist() == [1.0, 1.0, 1.0] and x.tolist() == [0.0, 0.0, 0.0]
+
+
+def test_many_concurrent_calls_and_then_chains(trio) -> None:
+    a, _, _ = trio
+    futs = [a.rpc_async("bc"[i % 2], add, (i, 1)) for i in range(200)]
+    assert [f.value() for f in torch.futures.wait_all(futs) and futs] == list(range(1, 201))
+    chained = a.rpc_async("b", add, (1, 1)).then(lambda f: f.value() * 10).then(
+        lambda f: f.value() + 1)
+    assert chained.wait() == 21
+    both = torch.futures.collect_all([a.rpc_async("b", whoami), a.rpc_async("c", whoami)]).wait()
+    assert [f.value() for f in both] == ["b", "c"]
+
+
+def test_tensors_views_and_large(trio) -> None:
+    a, _, _ = trio
+    base = torch.arange(4_000_000, dtype=torch.float32)  # 16 MB
+    assert torch.equal(a.rpc_async("b", torch.clone, (base,)).wait(), base)
+    before = a.io.sent_bytes
+    view = base[100:110]
+    assert torch.equal(a.rpc_async("b", torch.clone, (view,)).wait(), view)
+    assert a.io.sent_bytes - before < 2_000  # the view's 40 bytes, not the 16 MB base
+    strided = base[:4000].reshape(40, 100)[:, ::7]
+    assert torch.equal(a.rpc_async("c", torch.clone, (strided,)).wait(), strided)
+
+
+# -- errors ----------------------------------------------------------------------------
+def test_remote_exception_keeps_type_worker_and_traceback(trio) -> None:
+    a, _, _ = trio
+    with pytest.raises(ValueError, match="boom") as info:
+        a.rpc_async("c", fail, ("boom",)).wait()
+    assert info.value.remote_worker == "c"
+    assert "in fail" in info.value.remote_traceback
+    assert "in fail" in str(info.value.__cause__)
+    # the agents keep working
+    assert a.rpc_async("c", add, (1, 2)).wait() == 3
+
+
+def test_remote_exception_type_missing_here_becomes_remote_error(trio) -> None:
+    a, b, _ = trio
+
+    def raise_unpicklable():
+        class Local(Exception):
+            def __reduce__(self):
+                raise TypeError("no")
+
+        raise Local("custom")
+
+    with pytest.raises(RemoteError) as info:
+        a.rpc_async("b", raise_unpicklable).wait()
+    assert info.value.worker == "b" and "Local" in info.value.type_name
+    assert "custom" in str(info.value) and "raise_unpicklable" in info.value.traceback
+
+
+def test_unpicklable_result_and_argument(trio) -> None:
+    a, _, _ = trio
+    with pytest.raises(SerializationError, match="could not pickle"):
+        a.rpc_async("b", threading.Lock).wait()
+    with pytest.raises(SerializationError, match="could not pickle"):
+        a.rpc_async("b", add, (threading.Lock(),))
+    assert a.rpc_async("b", add, (2, 2)).wait() == 4
+
+
+def test_timeout_fails_in_time_agent_usable_late_reply_discarded(trio) -> None:
+    a, _, _ = trio
+    t0 = time.monotonic()
+    fut = a.rpc_async("b", sleep_then, (1.0, "late"), timeout=0.2)
+    with pytest.raises(RpcTimeoutError) as info:
+        fut.wait()
+    assert time.monotonic() - t0 < 1.0
+    assert isinstance(info.value, TimeoutError) and info.value.worker == "b"
+    assert a.rpc_async("b", add, (1, 1)).wait() == 2
+    assert poll_for(lambda: a.late_replies == 1, timeout=3)
+    assert a.snapshot()["counters"]["timeouts"] == 1
+
+
+def test_async_execution_frees_threads(trio) -> None:
+    with local_group(["x", "y"], threads=2) as (x, y):
+        # 12 levels of nesting through pools of 2 threads: impossible if each level held one
+        assert x.rpc_async("y", async_chain, ("x", 12)).wait() == 12
+    a, _, _ = trio
+    with pytest.raises(TypeError, match="must return a torch.futures.Future"):
+        a.rpc_async("b", not_a_future).wait()
+
+
+def test_wait_is_interruptible_and_agent_survives(trio) -> None:
+    a, _, _ = trio
+    fut = a.rpc_async("b", sleep_then, (1.5, "done"))
+    timer = threading.Timer(0.2, _thread.interrupt_main)
+    t0 = time.monotonic()
+    timer.start()
+    with pytest.raises(KeyboardInterrupt):
+        fut.wait()
+    assert time.monotonic() - t0 < 1.0
+    assert fut.wait() == "done"  # the same future still completes
+    assert a.rpc_async("b", add, (3, 4)).wait() == 7
+
+
+def test_wait_inside_io_callback_raises_instead_of_deadlocking(trio) -> None:
+    a, _, _ = trio
+    errors = []
+
+    def callback(f):
+        try:
+            a.rpc_async("b", add, (1, 1)).wait()
+        except RuntimeError as e:
+            errors.append(str(e))
+
+    a.rpc_async("b", add, (1, 1)).then(callback).wait()
+    assert errors and "deadlock" in errors[0]
+
+
+def test_tampered_message_dropped_unread(trio) -> None:
+    a, b, _ = trio
+    ctx = zmq.Context.instance()
+    s = ctx.socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    s.connect(b.address)
+    try:
+        s.send_multipart([bytes(32), b"\x01" * 24, b"cos\nsystem\n(S'echo pwned'\ntR."])
+        assert poll_for(lambda: b.io.dropped_bad == 1)
+    finally:
+        s.close()
+    assert b.snapshot()["counters"]["dropped_bad_signature"] == 1
+    assert a.rpc_async("b", add, (5, 5)).wait() == 10
+
+
+# -- observability ---------------------------------------------------------------------
+def test_snapshot_counters_and_event_log(trio) -> None:
+    a, b, _ = trio
+    a.rpc_async("b", add, (1, 2)).wait()
+    snap = a.snapshot()
+    assert snap["counters"]["requests_sent"] >= 1 and snap["counters"]["in_flight"] == 0
+    kinds = [(e["event"], e["op"], e["peer"]) for e in snap["events"]]
+    assert ("send", "call", "b") in kinds and ("recv", "call", "b") in kinds
+    assert any(e["event"] == "serve" for e in b.snapshot()["events"])
+    assert [m["name"] for m in snap["members"]] == ["a", "b", "c"]
+    slow = a.rpc_async("b", sleep_then, (0.3, 1))
+    assert a.snapshot()["in_flight"][0]["op"] == "call"
+    slow.wait()
+
+
+# -- RRefs (remote / to_here / proxies / release) ---------------------------------------
+def test_remote_to_here_proxies_and_release(trio) -> None:
+    a, b, _ = trio
+    from nbrpc.rref import remote
+
+    r = remote(a, "b", Counter, (5,), {}, -1)
+    assert not r.is_owner() and r.owner_name() == "b" and r.owner().id == 1
+    assert r.to_here().n == 5
+    assert poll_for(r.confirmed_by_owner)
+    with pytest.raises(NbrpcError, match="only on the owner"):
+        r.local_value()
+    assert len(b.ext["rref"].owned.entries) == 1
+    owned = b.snapshot()["rrefs"]["owned"][0]
+    assert owned["state"] == "ready" and owned["type"].endswith("Counter")
+    assert "test_inprocess.py" in owned["site"]
+    del r
+    gc.collect()
+    assert poll_for(lambda: not b.ext["rref"].owned.entries)
+
+
+def test_remote_creation_error_reraised_by_to_here(trio) -> None:
+    a, _, _ = trio
+    from nbrpc.rref import remote
+
+    r = remote(a, "c", fail, ("creation failed",), {}, -1)
+    with pytest.raises(ValueError, match="creation failed"):
+        r.to_here()
+
+
+def test_rref_cannot_be_sent_yet_and_says_why(trio) -> None:
+    a, _, _ = trio
+    from nbrpc.rref import remote
+
+    r = remote(a, "b", Counter, (), {}, -1)
+    with pytest.raises(SerializationError, match="fork protocol"):
+        a.rpc_async("c", add, (r,))
+
+
+# -- lifecycle -------------------------------------------------------------------------
+def test_graceful_shutdown_waits_for_outstanding_calls() -> None:
+    results = []
+    with local_group(["p", "q"]) as (p, q):
+        fut = p.rpc_async("q", sleep_then, (0.5, "finished"))
+        fut.add_done_callback(lambda f: results.append(f.value()))
+    assert results == ["finished"]
+
+
+def test_non_graceful_shutdown_fails_pending_calls() -> None:
+    with local_group(["p", "q"]) as (p, q):
+        fut = p.rpc_async("q", sleep_then, (0.5, 1))
+        p.shutdown(graceful=False)
+        with pytest.raises(ShutdownError):
+            fut.wait()
+        with pytest.raises(ShutdownError, match="takes no new calls"):
+            p.rpc_async("q", add, (1, 1))
+        q.shutdown(graceful=False)  # its coordinator is gone: nothing to agree with
+
+
+def test_dynamic_group_members_join_and_leave() -> None:
+    with local_group(["lead", "w1"], dynamic=True) as (lead, w1):
+        from nbrpc.agent import Agent, AgentOptions
+
+        late = Agent("w2", 2, lead._key, world_size=None, options=AgentOptions(num_worker_threads=2))
+        late.start(lead.address, 5)
+        assert poll_for(lambda: "w2" in w1._by_name)
+        assert w1.rpc_async("w2", whoami).wait() == "w2"
+        late.shutdown()
+        assert poll_for(lambda: "w2" not in w1._by_name and "w2" not in lead._by_name)
+        with pytest.raises(UnknownWorkerError):
+            w1.rpc_async("w2", whoami)
