@@ -327,3 +327,17 @@ def test_dynamic_group_members_join_and_leave() -> None:
         assert poll_for(lambda: "w2" not in w1._by_name and "w2" not in lead._by_name)
         with pytest.raises(UnknownWorkerError):
             w1.rpc_async("w2", whoami)
+
+
+def test_large_tensors_travel_through_shared_memory_and_are_recycled(trio) -> None:
+    a, b, _ = trio
+    if a.io._shm is None:
+        pytest.skip("no /dev/shm")
+    x = torch.randn(1 << 20)  # 4 MB
+    for _ in range(3):
+        y = a.rpc_async("b", torch.clone, (x,)).wait()
+        assert torch.equal(y, x)
+        del y
+        gc.collect()
+    assert a.io._shm.created + a.io._shm.reused == 3 and a.io._shm.reused >= 1
+    assert a.io.sent_bytes < 100_000  # the 4 MB never went through the socket

@@ -22,8 +22,9 @@ import logging
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import cloudpickle
 import torch
@@ -40,7 +41,7 @@ from ..errors import (
     WorkerGoneError,
 )
 from ..serialize import dumps, loads
-from ..transport import Envelope, IOLoop, pack
+from ..transport import Envelope, IOLoop
 from .events import EventLog
 from .futures import RpcFuture
 from .group import Coordinator, WorkerInfo
@@ -327,7 +328,6 @@ class Agent:
             timeout = self.options.rpc_timeout
         payload, buffers = dumps(msg, self)
         mid = next(self._ids)
-        frames = pack(self._key, REQUEST, self.rank, mid, payload, buffers)
         fut = RpcFuture(self._io_ident)
         p = _Pending(fut, peer, msg.op, time.perf_counter())
         self._pending[mid] = p
@@ -335,9 +335,8 @@ class Agent:
             p.timer = self.io.call_later(timeout, self._expire, mid, timeout)
         with self._lock:
             self.sent += 1
-        self.events.add("send", msg.op, self._peer_name(peer), mid,
-                        len(payload) + sum(b.raw().nbytes for b in buffers))
-        self.io.send(peer, frames)
+        nbytes = self.io.send(peer, REQUEST, mid, payload, buffers)
+        self.events.add("send", msg.op, self._peer_name(peer), mid, nbytes)
         return fut
 
     def _io_ident(self) -> int | None:
@@ -419,12 +418,11 @@ class Agent:
             payload, buffers = dumps(reply, self)
         except SerializationError as e:
             payload, buffers = dumps(self._error(e), self)
-        self.io.send(env.sender, pack(self._key, RESPONSE, self.rank, env.msg_id, payload, buffers))
+        nbytes = self.io.send(env.sender, RESPONSE, env.msg_id, payload, buffers)
         with self._lock:
             self.served += 1
         self.events.add("serve" if type(reply) is Ok else "serve-error", op,
-                        self._peer_name(env.sender), env.msg_id,
-                        len(payload) + sum(b.raw().nbytes for b in buffers),
+                        self._peer_name(env.sender), env.msg_id, nbytes,
                         time.perf_counter() - started)
 
     def _error(self, e: BaseException) -> Err:
@@ -449,7 +447,7 @@ class Agent:
     # -- control -------------------------------------------------------------
     def _send_control(self, rank: int, msg: Any) -> None:
         payload, buffers = dumps(msg)
-        self.io.send(rank, pack(self._key, CONTROL, self.rank, 0, payload, buffers))
+        self.io.send(rank, CONTROL, 0, payload, buffers)
 
     def _on_control(self, env: Envelope) -> None:
         msg = loads(env.payload, env.buffers)

@@ -10,7 +10,8 @@ and ``.then()`` work as for any torch future.
 from __future__ import annotations
 
 import threading
-from typing import Any, Callable, TypeVar
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import torch
 

@@ -18,8 +18,9 @@ are registered per agent (the RRef and autograd layers add their own).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable, ClassVar
+from typing import Any, ClassVar
 
 REQUEST, RESPONSE, CONTROL = 1, 2, 3
 

@@ -27,7 +27,7 @@ from .options import (
 )
 
 __all__ = [
-    "BackendType", "RRef", "RemoteError", "RpcBackendOptions", "RpcFuture",
+    "BackendType", "RRef", "RemoteError", "api", "RpcBackendOptions", "RpcFuture",
     "TensorPipeRpcBackendOptions", "WorkerInfo", "functions", "get_rpc_timeout",
     "get_worker_info", "init_rpc", "remote", "rpc_async", "rpc_sync", "shutdown",
 ]

@@ -10,7 +10,8 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from ..agent import Agent, AgentOptions, RpcFuture, WorkerInfo, current_agent, set_default_agent
 from ..agent.agent import _Default

@@ -305,8 +305,9 @@ def remote(agent: Agent, to: Any, fn: Any, args: tuple, kwargs: dict, timeout: f
 
 
 def _local_opts() -> Any:  # for the docstring example: loopback, a free port
-    from ..rpc import TensorPipeRpcBackendOptions
     import socket
+
+    from ..rpc import TensorPipeRpcBackendOptions
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

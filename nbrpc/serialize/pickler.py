@@ -20,7 +20,8 @@ import contextvars
 import io
 import pickle
 import types
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import cloudpickle
 import torch

@@ -8,9 +8,12 @@ frame  name        contents
 =====  ==========  ============================================================
 0      signature   32 bytes: HMAC-SHA256(key, header ‖ payload)
 1      header      ``<BBBxiQI`` version, kind, flags, sender id, message id,
-                   n_buffers; then n_buffers × ``<Q`` buffer lengths
+                   n_buffers; then n_buffers × ``<Q`` buffer lengths; with
+                   flag SHM, then per buffer a ``<B`` name length (0: inline)
+                   and the name of the shared-memory segment holding it
 2      payload     opaque bytes (the agent puts a pickle here)
 3…     buffers     raw tensor bytes, one frame each, sent without copying
+                   (an empty frame for a buffer that travels in shared memory)
 =====  ==========  ============================================================
 
 The signature covers everything that will be unpickled (header and payload)
@@ -26,8 +29,8 @@ import hashlib
 import hmac
 import secrets
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 VERSION = 1
 SIG_LEN = 32
@@ -39,6 +42,17 @@ _DIGEST = hashlib.sha256
 _ONESHOT_MAX = 1 << 16
 
 Buffer = bytes | memoryview | bytearray
+
+
+FLAG_SHM = 1
+
+
+@dataclass(frozen=True, slots=True)
+class ShmRef:
+    """A buffer that travels in a shared-memory segment rather than a frame."""
+
+    name: str
+    nbytes: int
 
 
 class BadMessage(Exception):
@@ -80,10 +94,21 @@ def pack(
     flags: int = 0,
 ) -> list:
     """Frames for one message, signed with ``key``."""
+    shm = any(type(b) is ShmRef for b in buffers)
+    if shm:
+        flags |= FLAG_SHM
     header = _HEAD.pack(VERSION, kind, flags, sender, msg_id, len(buffers))
     if buffers:
-        header += b"".join(_LEN.pack(memoryview(b).nbytes) for b in buffers)
+        header += b"".join(_LEN.pack(_nbytes(b)) for b in buffers)
+    if shm:
+        names = [b.name.encode() if type(b) is ShmRef else b"" for b in buffers]
+        header += b"".join(bytes([len(n)]) + n for n in names)
+        buffers = [b"" if type(b) is ShmRef else b for b in buffers]
     return [_mac(key, header, payload), header, payload, *buffers]
+
+
+def _nbytes(b: Buffer | ShmRef) -> int:
+    return b.nbytes if type(b) is ShmRef else memoryview(b).nbytes
 
 
 def unpack(key: bytes, frames: Sequence) -> Envelope:
@@ -103,10 +128,29 @@ def unpack(key: bytes, frames: Sequence) -> Envelope:
     if version != VERSION:
         raise BadMessage(f"protocol version {version}, expected {VERSION}")
     buffers = list(frames[3:])
-    if len(buffers) != n or len(header) != _HEAD.size + n * _LEN.size:
+    end = _HEAD.size + n * _LEN.size
+    if len(buffers) != n or len(header) < end or (len(header) > end and not flags & FLAG_SHM):
         raise BadMessage("buffer count does not match the header")
+    names = _shm_names(header, end, n) if flags & FLAG_SHM else [""] * n
     for i, b in enumerate(buffers):
         (want,) = _LEN.unpack_from(header, _HEAD.size + i * _LEN.size)
-        if memoryview(b).nbytes != want:
+        if names[i]:
+            if memoryview(b).nbytes:
+                raise BadMessage("a shared-memory buffer also has frame data")
+            buffers[i] = ShmRef(names[i], want)
+        elif memoryview(b).nbytes != want:
             raise BadMessage("buffer length does not match the header")
     return Envelope(kind, flags, sender, msg_id, bytes(payload), buffers)
+
+
+def _shm_names(header: bytes, pos: int, n: int) -> list[str]:
+    names = []
+    for _ in range(n):
+        if pos >= len(header):
+            raise BadMessage("truncated shared-memory table")
+        size = header[pos]
+        names.append(header[pos + 1:pos + 1 + size].decode("ascii", "replace"))
+        pos += 1 + size
+    if pos != len(header):
+        raise BadMessage("trailing bytes after the shared-memory table")
+    return names

@@ -31,11 +31,13 @@ import os
 import threading
 import time
 from collections import deque
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import zmq
 
-from .frames import BadMessage, Envelope, unpack
+from . import shm
+from .frames import FLAG_SHM, BadMessage, Envelope, ShmRef, pack, unpack
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +60,7 @@ class IOLoop:
         on_message: Callable[[Envelope], None],
         on_bad: Callable[[str], None] | None = None,
         name: str = "nbrpc-io",
+        use_shm: bool = True,
     ) -> None:
         self._key = key
         self.local_id = local_id
@@ -69,6 +72,8 @@ class IOLoop:
         self._router.setsockopt(zmq.LINGER, 0)
         self._router.setsockopt(zmq.RCVHWM, 0)
         self._dealers: dict[int, tuple[threading.Lock, zmq.Socket]] = {}
+        self._same_host: dict[int, bool] = {}
+        self._shm = shm.ShmWriter() if use_shm and shm.available() else None
         self._dealers_lock = threading.Lock()
         self._addresses: dict[int, str] = {}
         self._queue: deque = deque()
@@ -110,6 +115,7 @@ class IOLoop:
         """Tell the loop where ``peer`` listens; a changed address reconnects."""
         old = self._addresses.get(peer)
         self._addresses[peer] = address
+        self._same_host.pop(peer, None)
         if old is not None and old != address:
             self.call_soon(self._drop_dealer, peer)
 
@@ -121,8 +127,36 @@ class IOLoop:
     def in_io_thread(self) -> bool:
         return threading.get_ident() == self.thread_ident
 
-    def send(self, peer: int, frames: list) -> None:
-        """Send signed frames to ``peer`` (safe from any thread; never blocks)."""
+    def send(self, peer: int, kind: int, msg_id: int, payload: bytes,
+             buffers: list = ()) -> int:
+        """Sign and send one message to ``peer`` (safe from any thread; never
+        blocks). Large buffers to a peer on this host go through shared memory.
+        Returns the bytes handed over."""
+        if buffers and self._shm is not None and peer != self.local_id and self._is_local(peer):
+            buffers = [self._to_shm(b) for b in buffers]
+        frames = pack(self._key, kind, self.local_id, msg_id, payload, buffers)
+        self.send_frames(peer, frames)
+        return sum(memoryview(f).nbytes for f in frames)
+
+    def _to_shm(self, b: Any) -> Any:
+        m = memoryview(b)
+        if m.nbytes < shm.MIN_BYTES:
+            return b
+        return ShmRef(self._shm.write(m), m.nbytes)
+
+    def _is_local(self, peer: int) -> bool:
+        """Is ``peer`` on this host (loopback, or our own interface)?"""
+        local = self._same_host.get(peer)
+        if local is None:
+            address = self._addresses.get(peer, "")
+            host = address.rpartition(":")[0].removeprefix("tcp://").strip("[]")
+            mine = (self.address or "").rpartition(":")[0].removeprefix("tcp://").strip("[]")
+            local = host.startswith("127.") or host in ("::1", "localhost") or host == mine
+            self._same_host[peer] = local
+        return local
+
+    def send_frames(self, peer: int, frames: list) -> None:
+        """Send already signed frames to ``peer``."""
         if peer == self.local_id:  # to ourselves: no socket, but a real copy
             self.call_soon(self._deliver, _copy_frames(frames))
             return
@@ -199,6 +233,8 @@ class IOLoop:
         self._stopping = True
 
     def _close(self) -> None:
+        if self._shm is not None:
+            self._shm.close()
         with self._dealers_lock:
             for lock, s in self._dealers.values():
                 with lock:
@@ -283,9 +319,24 @@ class IOLoop:
             log.warning("dropped a message that failed authentication (%s)", e)
             self._on_bad(str(e))
             return
+        if env.flags & FLAG_SHM:
+            try:
+                env.buffers = [shm.read(b.name, b.nbytes, self._release) if type(b) is ShmRef
+                               else b for b in env.buffers]
+            except (OSError, ValueError) as e:
+                log.error("dropped a message from %d: shared-memory buffer unreadable (%s)",
+                          env.sender, e)
+                return
         self.recv_msgs += 1
         self.recv_bytes += len(env.payload) + sum(memoryview(b).nbytes for b in env.buffers)
         self._on_message(env)
+
+    def _release(self, give_back: Callable[[], None]) -> None:
+        """A received shared-memory buffer was freed: hand it back, off the GC path."""
+        if self._stopping or self._thread is None or not self._thread.is_alive():
+            give_back()
+        else:
+            self.call_soon(give_back)
 
     def _timer_timeout(self) -> int | None:
         timers = self._timers
