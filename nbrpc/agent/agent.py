@@ -150,7 +150,8 @@ class Agent:
         self.info = WorkerInfo(name, rank)
         self.io = IOLoop(key, rank, self._on_message, name=f"nbrpc-io[{name}]")
         self.address = self.io.bind(opts.host, opts.port)
-        self.pool = WorkerPool(opts.num_worker_threads, f"nbrpc-worker[{name}]", self._adopt_thread)
+        self.pool = WorkerPool(opts.num_worker_threads, f"nbrpc-worker[{name}]",
+                               self._adopt_thread, self.io.call_later)
         self.events = EventLog(opts.event_log_size)
         self.handlers: dict[str, Callable[[Any, int], Any]] = {"call": self._handle_call}
         self.ext: dict[str, Any] = {}

@@ -24,7 +24,7 @@ class RpcFuture(torch.futures.Future):
     """A torch future completed by an nbrpc agent."""
 
     def __init__(self, io_ident: Callable[[], int | None] | None = None) -> None:
-        super().__init__()
+        torch._C.Future.__init__(self, [])  # CPU only: skip the device-list conversion
         self._io_ident = io_ident
 
     def wait(self) -> Any:

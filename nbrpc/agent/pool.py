@@ -1,8 +1,12 @@
 """A pool of up to ``num_worker_threads`` threads that run incoming calls.
 
-Threads start on demand (an idle agent holds none beyond the first), so a
-freshly started agent costs little memory; ``busy`` counts the threads
-running a task right now.
+Threads start on demand, so a freshly started agent costs little memory.
+A new thread starts when a task arrives and no thread exists, or when a
+task has waited ``GROW_AFTER`` seconds with no thread idle (every thread
+blocked, e.g. in a nested call): a burst of quick calls then stays on a few
+threads instead of waking sixteen that fight over the GIL, while a pool whose
+threads are all blocked still grows to its limit. ``busy`` counts the
+threads running a task right now.
 """
 
 from __future__ import annotations
@@ -16,11 +20,16 @@ from typing import Any
 log = logging.getLogger(__name__)
 
 _STOP = object()
+GROW_AFTER = 0.002
 
 
 class WorkerPool:
     def __init__(
-        self, max_threads: int, name: str, on_thread_start: Callable[[], None] | None = None
+        self,
+        max_threads: int,
+        name: str,
+        on_thread_start: Callable[[], None] | None = None,
+        call_later: Callable[..., object] | None = None,
     ) -> None:
         if max_threads < 1:
             raise ValueError(f"num_worker_threads must be >= 1, got {max_threads}")
@@ -32,6 +41,8 @@ class WorkerPool:
         self._lock = threading.Lock()
         self._idle = 0
         self._stopped = False
+        self._call_later = call_later
+        self._check_pending = False
 
     @property
     def size(self) -> int:
@@ -47,15 +58,32 @@ class WorkerPool:
 
     def submit(self, fn: Callable, *args: Any) -> None:
         self._q.put((fn, args))
-        if self._idle == 0 and len(self._threads) < self.max_threads and not self._stopped:
-            with self._lock:
-                if self._idle == 0 and len(self._threads) < self.max_threads:
-                    t = threading.Thread(
-                        target=self._work, name=f"{self._name}-{len(self._threads)}", daemon=True
-                    )
-                    self._threads.append(t)
-                    self._idle += 1
-                    t.start()
+        if self._idle or self._stopped or len(self._threads) >= self.max_threads:
+            return
+        if not self._threads or self._call_later is None:
+            self._grow()
+        elif not self._check_pending:
+            self._check_pending = True
+            self._call_later(GROW_AFTER, self._grow_if_stuck)
+
+    def _grow_if_stuck(self) -> None:
+        self._check_pending = False
+        if self._q.qsize() and not self._idle and not self._stopped:
+            self._grow()
+            if len(self._threads) < self.max_threads:
+                self._check_pending = True
+                self._call_later(GROW_AFTER, self._grow_if_stuck)
+
+    def _grow(self) -> None:
+        with self._lock:
+            if self._idle or len(self._threads) >= self.max_threads:
+                return
+            t = threading.Thread(
+                target=self._work, name=f"{self._name}-{len(self._threads)}", daemon=True
+            )
+            self._threads.append(t)
+            self._idle += 1
+            t.start()
 
     def _work(self) -> None:
         if self._on_start is not None:

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, Generic, TypeVar
 
 from ..agent import Agent, Deferred, WorkerInfo, current_agent, register_extension
+from ..agent.messages import fast_pickle
 from ..errors import NbrpcError
 from ..serialize import register_reducer
 from .state import ForkId, OwnerTable, RRefId
@@ -32,6 +33,7 @@ T = TypeVar("T")
 
 
 # -- messages ---------------------------------------------------------------
+@fast_pickle
 @dataclass(frozen=True, slots=True)
 class Remote:
     op: ClassVar[str] = "remote"
@@ -43,12 +45,14 @@ class Remote:
     site: str
 
 
+@fast_pickle
 @dataclass(frozen=True, slots=True)
 class Fetch:
     op: ClassVar[str] = "rref_fetch"
     rref_id: RRefId
 
 
+@fast_pickle
 @dataclass(frozen=True, slots=True)
 class Delete:
     op: ClassVar[str] = "rref_delete"

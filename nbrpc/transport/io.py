@@ -71,7 +71,7 @@ class IOLoop:
         self._router = self._ctx.socket(zmq.ROUTER)
         self._router.setsockopt(zmq.LINGER, 0)
         self._router.setsockopt(zmq.RCVHWM, 0)
-        self._dealers: dict[int, tuple[threading.Lock, zmq.Socket]] = {}
+        self._dealers: dict[int, _Dealer] = {}
         self._same_host: dict[int, bool] = {}
         self._shm = shm.ShmWriter() if use_shm and shm.available() else None
         self._dealers_lock = threading.Lock()
@@ -160,18 +160,29 @@ class IOLoop:
         if peer == self.local_id:  # to ourselves: no socket, but a real copy
             self.call_soon(self._deliver, _copy_frames(frames))
             return
-        entry = self._dealers.get(peer) or self._open_dealer(peer)
-        if entry is None:
+        dealer = self._dealers.get(peer) or self._open_dealer(peer)
+        if dealer is None:
             return
-        lock, sock = entry
-        with lock:
-            if sock.closed:
-                return
-            sock.send_multipart(frames, copy=False)
-        self.sent_msgs += 1  # counters may lag by a few under contention; no lock needed
-        self.sent_bytes += sum(memoryview(f).nbytes for f in frames)
+        # Combining: whoever holds the lock sends everything queued; a thread
+        # that finds it taken leaves its frames and returns, never sleeps.
+        queue, lock = dealer.queue, dealer.lock
+        queue.append(frames)
+        while queue:
+            if not lock.acquire(blocking=False):
+                return  # the holder re-checks the queue after releasing
+            try:
+                sock = dealer.sock
+                while queue:
+                    out = queue.popleft()
+                    if sock.closed:
+                        continue
+                    sock.send_multipart(out, copy=False)
+                    self.sent_msgs += 1
+                    self.sent_bytes += sum(memoryview(f).nbytes for f in out)
+            finally:
+                lock.release()
 
-    def _open_dealer(self, peer: int) -> tuple[threading.Lock, zmq.Socket] | None:
+    def _open_dealer(self, peer: int) -> _Dealer | None:
         with self._dealers_lock:
             entry = self._dealers.get(peer)
             if entry is not None:
@@ -185,8 +196,8 @@ class IOLoop:
             sock.setsockopt(zmq.SNDHWM, 0)
             sock.setsockopt(zmq.LINGER, _LINGER_MS)
             sock.connect(address)
-            entry = self._dealers[peer] = (threading.Lock(), sock)
-            return entry
+            dealer = self._dealers[peer] = _Dealer(sock)
+            return dealer
 
     def call_soon(self, fn: Callable, *args: Any) -> None:
         """Run ``fn(*args)`` on the I/O thread (safe from any thread)."""
@@ -236,9 +247,9 @@ class IOLoop:
         if self._shm is not None:
             self._shm.close()
         with self._dealers_lock:
-            for lock, s in self._dealers.values():
-                with lock:
-                    s.close(linger=_LINGER_MS)
+            for dealer in self._dealers.values():
+                with dealer.lock:
+                    dealer.sock.close(linger=_LINGER_MS)
             self._dealers.clear()
         self._router.close(linger=0)
         self._ctx.term()
@@ -296,8 +307,8 @@ class IOLoop:
         with self._dealers_lock:
             entry = self._dealers.pop(peer, None)
         if entry is not None:
-            with entry[0]:
-                entry[1].close(linger=0)
+            with entry.lock:
+                entry.sock.close(linger=0)
 
     def _recv_batch(self) -> None:
         router = self._router
@@ -360,6 +371,17 @@ class IOLoop:
                     fn(*args)
                 except Exception:
                     log.exception("nbrpc timer %r failed", fn)
+
+
+class _Dealer:
+    """A peer's outgoing socket, its lock and the frames waiting for the lock."""
+
+    __slots__ = ("sock", "lock", "queue")
+
+    def __init__(self, sock: zmq.Socket) -> None:
+        self.sock = sock
+        self.lock = threading.Lock()
+        self.queue: deque = deque()
 
 
 def _copy_frames(frames: list) -> list:
