@@ -50,6 +50,21 @@ def fail(msg):
     raise ValueError(msg)
 
 
+def _restore_slowly(value):
+    time.sleep(0.05)
+    return value
+
+
+class SlowToUnpickle:
+    """Pickles as its value, but takes 50 ms to unpickle."""
+
+    def __init__(self, value):
+        self.value = value
+
+    def __reduce__(self):
+        return _restore_slowly, (self.value,)
+
+
 class Counter:
     def __init__(self, start=0):
         self.n = start
@@ -341,3 +356,13 @@ def test_large_tensors_travel_through_shared_memory_and_are_recycled(trio) -> No
         gc.collect()
     assert a.io._shm.created + a.io._shm.reused == 3 and a.io._shm.reused >= 1
     assert a.io.sent_bytes < 100_000  # the 4 MB never went through the socket
+
+
+def test_to_here_right_after_remote_never_overtakes_creation(trio) -> None:
+    """Fetch and Remote run on different pool threads; to_here must not race ahead."""
+    a, _, _ = trio
+    from nbrpc.rref import remote
+
+    for i in range(5):  # the Remote's arguments take 50 ms to unpickle on the owner
+        r = remote(a, "b", add, (SlowToUnpickle(i),), {}, -1)
+        assert r.to_here() == i

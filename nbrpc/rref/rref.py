@@ -207,8 +207,11 @@ class RRef(Generic[T]):
         """The value, copied to this worker (waits for it to exist)."""
         if self.is_owner():
             return self.local_value()
-        if self._error is not None:
-            raise self._error
+        if self._creation is not None:
+            # The owner's pool may run requests out of order: a Fetch that
+            # overtook its Remote would find no entry. Creation is acked once
+            # the value (or its error) is stored, so fetch after the ack.
+            self._creation.wait()  # raises if the creation itself failed to arrive
         return self._agent.request(self._owner, Fetch(self._id), timeout).wait()
 
     # -- proxies -----------------------------------------------------------------
