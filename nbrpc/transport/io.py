@@ -132,8 +132,15 @@ class IOLoop:
         """Sign and send one message to ``peer`` (safe from any thread; never
         blocks). Large buffers to a peer on this host go through shared memory.
         Returns the bytes handed over."""
-        if buffers and self._shm is not None and peer != self.local_id and self._is_local(peer):
-            buffers = [self._to_shm(b) for b in buffers]
+        if buffers:
+            if self._shm is not None and peer != self.local_id and self._is_local(peer):
+                buffers = [self._to_shm(b) for b in buffers]
+            # pyzmq sends an object without len() (a PickleBuffer) zero-copy
+            # whatever its size, and every zero-copy send wakes pyzmq's
+            # garbage-collector thread; small buffers are cheaper copied.
+            buffers = [memoryview(b).tobytes()
+                       if type(b) is not ShmRef and memoryview(b).nbytes < zmq.COPY_THRESHOLD
+                       else b for b in buffers]
         frames = pack(self._key, kind, self.local_id, msg_id, payload, buffers)
         self.send_frames(peer, frames)
         return sum(memoryview(f).nbytes for f in frames)
