@@ -265,7 +265,7 @@ def test_snapshot_counters_and_event_log(trio) -> None:
     assert snap["counters"]["requests_sent"] >= 1 and snap["counters"]["in_flight"] == 0
     kinds = [(e["event"], e["op"], e["peer"]) for e in snap["events"]]
     assert ("send", "call", "b") in kinds and ("recv", "call", "b") in kinds
-    assert any(e["event"] == "serve" for e in b.snapshot()["events"])
+    assert poll_for(lambda: any(e["event"] == "serve" for e in b.snapshot()["events"]))
     assert [m["name"] for m in snap["members"]] == ["a", "b", "c"]
     slow = a.rpc_async("b", sleep_then, (0.3, 1))
     assert a.snapshot()["in_flight"][0]["op"] == "call"
