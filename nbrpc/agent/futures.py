@@ -39,9 +39,10 @@ class RpcFuture(torch.futures.Future):
                 "given to .then() or add_done_callback). That would deadlock: chain "
                 "another .then() instead of calling wait() or rpc_sync() in a callback."
             )
-        done = threading.Event()
-        self.add_done_callback(lambda _f: done.set())
-        while not done.wait(_SLICE):
+        done = threading.Lock()  # released by the completing thread
+        done.acquire()
+        self.add_done_callback(lambda _f: done.release())
+        while not done.acquire(timeout=_SLICE):  # slices keep Ctrl-C prompt
             pass
 
 
