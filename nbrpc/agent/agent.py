@@ -187,7 +187,8 @@ class Agent:
                 raise RendezvousError("a non-coordinator agent needs the coordinator's address")
             self.io.set_address(0, coordinator_address)
             self._send_control(0, join)
-        if not self._joined.wait(timeout if timeout > 0 else None):
+        timeout = timeout if timeout > 0 else 60.0
+        if not self._joined.wait(timeout):
             self._stop_local()
             missing = ""
             if self._coordinator is not None and self.world_size is not None:

@@ -143,6 +143,12 @@ def _get_current_rpc_agent() -> Agent:
 
 
 def _free_port_options() -> Any:
-    from ..rref.rref import _local_opts
+    """Options for a one-process group on a free loopback port (docstring examples)."""
+    import socket
 
-    return _local_opts()
+    from .options import TensorPipeRpcBackendOptions
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    return TensorPipeRpcBackendOptions(init_method=f"tcp://127.0.0.1:{port}")

@@ -136,7 +136,8 @@ class RRef(Generic[T]):
     returns user RRefs.
 
     >>> from nbrpc.rpc import init_rpc, shutdown, remote
-    >>> init_rpc("doc", rank=0, world_size=1, rpc_backend_options=_local_opts())
+    >>> from nbrpc.rpc.api import _free_port_options
+    >>> init_rpc("doc", rank=0, world_size=1, rpc_backend_options=_free_port_options())
     >>> r = remote("doc", sum, args=([1, 2, 3],))
     >>> r.to_here(), r.owner_name(), r.is_owner()
     (6, 'doc', True)
@@ -270,14 +271,16 @@ class _Proxy:
         self._rref, self._how, self._timeout = rref, how, timeout
 
     def __getattr__(self, name: str) -> Any:
-        from ..rpc import api  # the rpc facade sits above this layer
-
         rref, how, timeout = self._rref, self._how, self._timeout
 
         def invoke(*args: Any, **kwargs: Any) -> Any:
-            call = getattr(api, how)
-            return call(rref._owner, _call_method_on_owner,
-                        args=(rref._id, name, args, kwargs), timeout=timeout)
+            call_args = (rref._id, name, args, kwargs)
+            if how == "remote":
+                return remote(rref._agent, rref._owner, _call_method_on_owner, call_args, {},
+                              timeout)
+            fut = rref._agent.rpc_async(rref._owner, _call_method_on_owner, call_args,
+                                        timeout=timeout)
+            return fut.wait() if how == "rpc_sync" else fut
 
         invoke.__name__ = name
         return invoke
@@ -309,14 +312,3 @@ def remote(agent: Agent, to: Any, fn: Any, args: tuple, kwargs: dict, timeout: f
 
     fut.add_done_callback(_done)
     return rref
-
-
-def _local_opts() -> Any:  # for the docstring example: loopback, a free port
-    import socket
-
-    from ..rpc import TensorPipeRpcBackendOptions
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    return TensorPipeRpcBackendOptions(init_method=f"tcp://127.0.0.1:{port}")

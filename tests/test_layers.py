@@ -1,0 +1,59 @@
+"""Layers import downward only, and importing nbrpc starts nothing."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+PKG = Path(__file__).resolve().parent.parent / "nbrpc"
+
+# layer -> names it must never import (at any level of a module, functions included)
+FORBIDDEN = {
+    "transport": {"pickle", "cloudpickle", "torch", "nbrpc.serialize", "nbrpc.agent",
+                  "nbrpc.rref", "nbrpc.rpc"},
+    "serialize": {"zmq", "nbrpc.transport", "nbrpc.agent", "nbrpc.rref", "nbrpc.rpc"},
+    "agent": {"nbrpc.rref", "nbrpc.rpc", "nbrpc.debug", "IPython", "ipywidgets"},
+    "rref": {"nbrpc.rpc", "nbrpc.debug", "IPython", "ipywidgets"},
+    "rpc": {"IPython", "ipywidgets"},
+}
+
+
+def _imports(path: Path) -> set[str]:
+    tree = ast.parse(path.read_text())
+    parts = path.relative_to(PKG.parent).with_suffix("").parts
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:  # resolve relative imports against this module's package
+                base = list(parts[: len(parts) - node.level])
+                mod = ".".join(base + ([node.module] if node.module else []))
+                names |= {mod} | {f"{mod}.{a.name}" for a in node.names}
+            else:
+                names.add(node.module or "")
+    return names
+
+
+def test_layers_import_downward_only() -> None:
+    problems = []
+    for layer, forbidden in FORBIDDEN.items():
+        for path in sorted((PKG / layer).rglob("*.py")):
+            for name in _imports(path):
+                if any(name == f or name.startswith(f + ".") for f in forbidden):
+                    problems.append(f"{path.relative_to(PKG.parent)} imports {name}")
+    assert not problems, "\n".join(problems)
+
+
+def test_importing_nbrpc_starts_no_thread_and_no_socket() -> None:
+    code = (
+        "import threading, zmq\n"
+        "import nbrpc, nbrpc.rpc, nbrpc.debug\n"
+        "assert threading.active_count() == 1, threading.enumerate()\n"
+        "assert zmq.Context._instance is None\n"
+        "print('clean')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.stdout.strip() == "clean", out.stderr
