@@ -1,15 +1,18 @@
 """The agent layer: one agent per RPC participant."""
 
 from .agent import (
-           Agent,
-           AgentOptions,
-           Deferred,
-           current_agent,
-           register_extension,
-           set_default_agent,
+    Agent,
+    AgentOptions,
+    Deferred,
+    check_future,
+    current_agent,
+    is_async,
+    mark_async,
+    register_extension,
+    set_default_agent,
 )
 from .futures import RpcFuture
 from .group import WorkerInfo
 
-__all__ = ["Agent", "AgentOptions", "Deferred", "RpcFuture", "WorkerInfo", "current_agent",
-           "register_extension", "set_default_agent"]
+__all__ = ["Agent", "AgentOptions", "Deferred", "RpcFuture", "WorkerInfo", "check_future",
+           "current_agent", "is_async", "mark_async", "register_extension", "set_default_agent"]

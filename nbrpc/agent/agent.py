@@ -68,6 +68,21 @@ log = logging.getLogger(__name__)
 _local = threading.local()
 _EXTENSIONS: list[Callable[[Agent], None]] = []
 
+# Set on a function whose RPC answer is the future it returns (the same
+# attribute as PyTorch's @async_execution, so either decorator works).
+ASYNC_ATTR = "_wrapped_async_rpc_function"
+
+
+def is_async(fn: Any) -> bool:
+    """Was ``fn`` (or the function of bound method ``fn``) marked @async_execution?"""
+    return getattr(getattr(fn, "__func__", fn), ASYNC_ATTR, None) is not None
+
+
+def mark_async(fn: Callable, original: Callable | None = None) -> Callable:
+    """Mark ``fn`` as returning a future that is the call's answer."""
+    setattr(fn, ASYNC_ATTR, original or fn)
+    return fn
+
 
 def register_extension(install: Callable[[Agent], None]) -> None:
     """Run ``install(agent)`` for every agent created from now on.
@@ -175,11 +190,16 @@ class Agent:
     # -- lifecycle -----------------------------------------------------------
     def start(self, coordinator_address: str | None, timeout: float) -> None:
         """Start the threads and join the group; returns once members are known."""
+        self.begin(coordinator_address)
+        if not self.wait_joined(timeout if timeout > 0 else 60.0):
+            self.fail_join(timeout)
+
+    def begin(self, coordinator_address: str | None) -> None:
+        """Start the threads and send Join to the coordinator (returns at once)."""
         self.state = "joining"
         self.io.start()
         self.io.call_soon(self._adopt_thread)
-        me = Member(self.name, self.rank, self.address)
-        join = Join(me, self.world_size)
+        join = Join(Member(self.name, self.rank, self.address), self.world_size)
         if self._coordinator is not None:
             self.io.call_soon(self._on_join, join)
         else:
@@ -187,22 +207,30 @@ class Agent:
                 raise RendezvousError("a non-coordinator agent needs the coordinator's address")
             self.io.set_address(0, coordinator_address)
             self._send_control(0, join)
-        timeout = timeout if timeout > 0 else 60.0
+
+    def wait_joined(self, timeout: float) -> bool:
+        """Wait (bounded) for the member table; True once joined. A refusal
+        from the coordinator stops the agent and raises RendezvousError."""
         if not self._joined.wait(timeout):
-            self._stop_local()
-            missing = ""
-            if self._coordinator is not None and self.world_size is not None:
-                have = sorted(self._coordinator.members)
-                missing = (f" Joined so far: ranks {have} of world_size={self.world_size};"
-                           " check that every rank calls init_rpc with the same init_method.")
-            raise RendezvousError(
-                f"{self.name!r} could not join the group within {timeout:g} s.{missing}"
-            )
+            return False
         if self._join_error:
             self._stop_local()
             raise RendezvousError(self._join_error)
-        self.state = "ready"
-        log.info("nbrpc agent %r (rank %d) ready at %s", self.name, self.rank, self.address)
+        if self.state == "joining":
+            self.state = "ready"
+            log.info("nbrpc agent %r (rank %d) ready at %s", self.name, self.rank, self.address)
+        return True
+
+    def fail_join(self, timeout: float) -> None:
+        """Stop, and raise the error for a join that did not complete in time."""
+        self._stop_local()
+        missing = ""
+        if self._coordinator is not None and self.world_size is not None:
+            have = sorted(self._coordinator.members)
+            missing = (f" Joined so far: ranks {have} of world_size={self.world_size};"
+                       " check that every rank calls init_rpc with the same init_method.")
+        raise RendezvousError(
+            f"{self.name!r} could not join the group within {timeout:g} s.{missing}")
 
     def shutdown(self, graceful: bool = True, timeout: float = 0) -> None:
         """Leave the group. Graceful: first wait until the whole (static) group
@@ -437,13 +465,8 @@ class Agent:
 
     def _handle_call(self, msg: Call, sender: int) -> Any:
         fn = msg.fn
-        if getattr(fn, "_wrapped_async_rpc_function", None) is not None:
-            fut = fn(*msg.args, **msg.kwargs)
-            if not isinstance(fut, torch._C.Future):
-                raise TypeError(
-                    f"{_qualname(fn)} is decorated with @async_execution, so it must return "
-                    f"a torch.futures.Future; it returned {type(fut).__name__}.")
-            return Deferred(fut)
+        if is_async(fn):
+            return Deferred(check_future(fn, fn(*msg.args, **msg.kwargs)))
         return fn(*msg.args, **msg.kwargs)
 
     # -- control -------------------------------------------------------------
@@ -550,6 +573,15 @@ def _rebuild_error(err: Err) -> BaseException:
     if hasattr(exc, "add_note"):
         exc.add_note(f"(raised on worker {err.worker!r}; its traceback is shown above)")
     return exc
+
+
+def check_future(fn: Any, result: Any) -> torch.futures.Future:
+    """The future an @async_execution function returned, or a clear TypeError."""
+    if not isinstance(result, torch._C.Future):
+        raise TypeError(
+            f"{_qualname(fn)} is decorated with @async_execution, so it must return "
+            f"a torch.futures.Future; it returned {type(result).__name__}.")
+    return result
 
 
 def _check_name(name: Any) -> None:

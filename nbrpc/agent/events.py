@@ -27,7 +27,7 @@ class EventLog:
     def records(self, last: int | None = None) -> list[dict[str, Any]]:
         entries = list(self._entries)
         if last is not None:
-            entries = entries[-last:]
+            entries = entries[-last:] if last > 0 else []
         return [dict(zip(MESSAGE_FIELDS, e)) for e in entries]
 
     def clear(self) -> None:

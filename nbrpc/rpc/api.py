@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -54,27 +55,73 @@ def init_rpc(
     if world_size is None and "WORLD_SIZE" in os.environ and rpc_backend_options is None:
         world_size = int(os.environ["WORLD_SIZE"])
     threads, timeout, init_method = read_options(rpc_backend_options)
+    join_timeout = timeout if timeout > 0 else 60.0
     with _init_lock:
         if _Default.agent is not None:
             raise AlreadyInitializedError(_Default.agent.name)
         rdv = rendezvous.parse(init_method, rank)
-        coordinator, key = rdv.coordinator, rdv.key
-        if rdv.file is not None:
-            if rank == 0:
-                key = rendezvous.file_key()
-            else:
-                coordinator, key = rendezvous.lookup(rdv.file, timeout)
-        opts = AgentOptions(num_worker_threads=threads, rpc_timeout=timeout,
-                            host=rdv.bind_host, port=rdv.bind_port)
-        agent = Agent(name, rank, key, world_size=world_size, options=opts)
-        if rdv.file is not None and rank == 0:
-            rendezvous.publish(rdv.file, agent.address, key)
-            agent.ext["rendezvous_file"] = rdv.file
-        try:
-            agent.start(coordinator, timeout if timeout > 0 else 60.0)
-        except RendezvousError:
-            raise
+
+        def make(key: bytes) -> Agent:
+            opts = AgentOptions(num_worker_threads=threads, rpc_timeout=timeout,
+                                host=rdv.bind_host, port=rdv.bind_port)
+            return Agent(name, rank, key, world_size=world_size, options=opts)
+
+        if rdv.file is None:
+            agent = make(rdv.key)
+            agent.start(rdv.coordinator, join_timeout)
+        elif rank == 0:
+            agent = _coordinate_through_file(make, rdv.file, world_size, join_timeout)
+        else:
+            agent = _join_through_file(make, rdv.file, join_timeout)
         set_default_agent(agent)
+
+
+def _coordinate_through_file(make: Callable[[bytes], Agent], path: str,
+                             world_size: int | None, timeout: float) -> Agent:
+    """Rank 0 of a file:// group: publish, wait for the group, tidy the file."""
+    key = rendezvous.file_key()
+    agent = make(key)
+    rendezvous.publish(path, agent.address, key)
+    try:
+        agent.start(None, timeout)
+    except BaseException:
+        _unlink(path)  # a dead address must not be found by the next run
+        raise
+    if world_size is None:
+        agent.ext["rendezvous_file"] = path  # late joiners need it; removed at shutdown
+    else:
+        _unlink(path)  # everyone has joined: a re-init must not find this address
+    return agent
+
+
+def _join_through_file(make: Callable[[bytes], Agent], path: str, timeout: float) -> Agent:
+    """Ranks > 0 of a file:// group. A stale file (from a run that crashed) may
+    be read before rank 0 replaces it: while waiting, re-read it, and start
+    over with the new address and key if it changes."""
+    deadline = time.monotonic() + timeout
+    published = rendezvous.lookup(path, timeout)
+    agent = make(published[1])
+    agent.begin(published[0])
+    while not agent.wait_joined(min(0.2, max(0.0, deadline - time.monotonic()))):
+        if time.monotonic() >= deadline:
+            agent.fail_join(timeout)
+        try:
+            now = rendezvous.lookup(path, 0.01)
+        except RendezvousError:
+            continue  # gone for a moment: rank 0 is about to publish
+        if now != published:
+            agent.shutdown(graceful=False)
+            published = now
+            agent = make(published[1])
+            agent.begin(published[0])
+    return agent
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
 
 
 def shutdown(graceful: bool = True, timeout: float = 0) -> None:
@@ -88,16 +135,13 @@ def shutdown(graceful: bool = True, timeout: float = 0) -> None:
     agent = _Default.agent
     if agent is None:
         return
+    path = agent.ext.get("rendezvous_file")
+    if path:  # first, so that no re-init can read this group's address
+        _unlink(path)
     try:
         agent.shutdown(graceful=graceful, timeout=timeout)
     finally:
         set_default_agent(None)
-        path = agent.ext.get("rendezvous_file")
-        if path:
-            try:
-                os.unlink(path)
-            except OSError:
-                pass
 
 
 def rpc_async(to: Any, func: Callable, args: tuple | None = None,

@@ -6,6 +6,8 @@ import functools
 from collections.abc import Callable
 from typing import TypeVar
 
+from ..agent import mark_async
+
 F = TypeVar("F", bound=Callable)
 
 
@@ -31,5 +33,4 @@ def async_execution(fn: F) -> F:
     def wrapper(*args, **kwargs):
         return fn(*args, **kwargs)
 
-    wrapper._wrapped_async_rpc_function = fn  # type: ignore[attr-defined]
-    return wrapper  # type: ignore[return-value]
+    return mark_async(wrapper, fn)  # type: ignore[return-value]

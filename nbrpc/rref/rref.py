@@ -23,7 +23,18 @@ import weakref
 from dataclasses import dataclass
 from typing import Any, ClassVar, Generic, TypeVar
 
-from ..agent import Agent, Deferred, WorkerInfo, current_agent, register_extension
+import torch
+
+from ..agent import (
+    Agent,
+    Deferred,
+    WorkerInfo,
+    check_future,
+    current_agent,
+    is_async,
+    mark_async,
+    register_extension,
+)
 from ..agent.messages import fast_pickle
 from ..errors import NbrpcError
 from ..serialize import register_reducer
@@ -73,6 +84,10 @@ class RRefContext:
         entry = self.owned.create(msg.rref_id, msg.site, fork=msg.fork_id)
         try:
             value = msg.fn(*msg.args, **msg.kwargs)
+            if is_async(msg.fn):  # the value is what the returned future yields
+                check_future(msg.fn, value).add_done_callback(
+                    lambda f: _settle(entry.value, f))
+                return None
         except BaseException as e:  # stored: to_here() and proxies re-raise it
             entry.value.set_exception(e)
             return None
@@ -287,8 +302,26 @@ class _Proxy:
 
 
 def _call_method_on_owner(rref_id: RRefId, name: str, args: tuple, kwargs: dict) -> Any:
+    """Runs on the owner; always answers through a future, so that a method
+    marked @async_execution defers the reply instead of sending a future."""
     value = current_agent().ext["rref"].local_value(rref_id)
-    return getattr(value, name)(*args, **kwargs)
+    method = getattr(value, name)
+    result = method(*args, **kwargs)
+    if is_async(method):
+        return check_future(method, result)
+    done = torch.futures.Future()
+    done.set_result(result)
+    return done
+
+
+mark_async(_call_method_on_owner)
+
+
+def _settle(target: torch.futures.Future, source: torch.futures.Future) -> None:
+    try:
+        target.set_result(source.value())
+    except BaseException as e:
+        target.set_exception(e)
 
 
 def remote(agent: Agent, to: Any, fn: Any, args: tuple, kwargs: dict, timeout: float) -> RRef:

@@ -1,0 +1,50 @@
+"""Remote functions for ``bench_rpc.py``.
+
+They live in their own importable module so that both libraries pickle them
+by reference (a function defined in ``__main__`` would be pickled by value by
+nbrpc's cloudpickle, which is not what either library does in a real job).
+This module must not import ``nbrpc`` or ``torch.distributed.rpc``: every
+benchmark process loads exactly one RPC library.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+_released = threading.Event()
+
+
+def noop() -> None:
+    """The cheapest possible call: no arguments, returns None."""
+    return None
+
+
+def echo(x: Any) -> Any:
+    """Send the argument straight back (used with tensors)."""
+    return x
+
+
+def small(i: int) -> tuple[int, str]:
+    """A small value for ``remote()`` + ``to_here()``."""
+    return (i + 1, "ok")
+
+
+def rss_mb() -> float:
+    """This process's resident set size (VmRSS) in MiB."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024.0
+    raise RuntimeError("VmRSS not found in /proc/self/status")
+
+
+def release() -> bool:
+    """Called by rank 0 on rank 1 when measuring is over."""
+    _released.set()
+    return True
+
+
+def wait_released(timeout: float) -> bool:
+    """Rank 1 blocks here (bounded) while it serves rank 0's calls."""
+    return _released.wait(timeout)

@@ -1,0 +1,513 @@
+"""nbrpc vs torch.distributed.rpc (TensorPipe), side by side on one machine.
+
+Run it with ``make bench`` (or ``.venv/bin/python benchmarks/bench_rpc.py``);
+``--quick`` runs a few iterations only (a smoke test), ``--markdown`` prints
+the table as Markdown for the README.
+
+For each library the script starts two processes with
+``torch.multiprocessing.spawn``; each calls
+``init_rpc("workerN", rank=N, world_size=2)`` with ``MASTER_ADDR=127.0.0.1``
+and a free ``MASTER_PORT`` (a different one per library) and the library's
+default backend options (TensorPipe for torch). Each process imports only
+its own RPC library (``from nbrpc import rpc`` or
+``import torch.distributed.rpc as rpc``). Rank 0 measures and writes its
+results to a JSON file that this process reads; rank 1 only serves. The
+remote functions live in ``_targets.py`` so both libraries pickle them by
+reference.
+
+What is measured (rank 0 calling rank 1 over loopback):
+
+1. ``rpc_sync`` of a no-op: median and p99 round trip (µs).
+2. ``rpc_async`` throughput of no-op calls with at most 64 in flight
+   (calls/s, median over a few rounds).
+3. Echo of a float32 tensor of 4 KB, 1 MB and 64 MB (1 MB = 2**20 bytes):
+   median round trip and bandwidth = 2 * size / median round trip
+   (the tensor travels there and back; GB/s = 1e9 bytes/s).
+4. ``remote()`` + ``RRef.to_here()`` of a small value: median (µs).
+5. Start-up: from the first statement of the spawned function (``torch`` is
+   already imported there by ``spawn``) to ``init_rpc`` returning, median
+   over the two workers (ms). It includes the import of the RPC library,
+   which is also shown alone (``import nbrpc.rpc`` /
+   ``import torch.distributed.rpc`` after ``import torch``).
+6. Memory: VmRSS increase of an agent over ``import torch`` after
+   ``init_rpc`` and a few no-op calls, before any big tensor was sent (MiB),
+   for the caller (rank 0) and the idle server (rank 1).
+
+The targets from the issue are printed next to the metrics they apply to.
+Every loop is bounded, and each library's run is killed after ``--timeout``
+seconds (partial results are still shown). Calls that raise are counted and
+listed under "problems"; the exit status is 1 when there are any.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib
+import json
+import os
+import platform
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+import warnings
+from collections import deque
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import _targets
+import torch
+import torch.multiprocessing as mp
+
+LIBRARIES = ("nbrpc", "torch")
+MODULES = {"nbrpc": "nbrpc.rpc", "torch": "torch.distributed.rpc"}
+PEER = "worker1"
+ECHO_SIZES = {"4 KB": 4 << 10, "1 MB": 1 << 20, "64 MB": 64 << 20}
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """Iteration counts: (warm-up, timed) pairs and the async set-up."""
+
+    sync: tuple[int, int] = (200, 2000)
+    async_calls: int = 2000
+    async_rounds: int = 3
+    async_window: int = 64
+    echo: dict[str, tuple[int, int]] = dataclasses.field(default_factory=lambda: {
+        "4 KB": (50, 1000), "1 MB": (10, 200), "64 MB": (2, 10)})
+    remote: tuple[int, int] = (50, 500)
+    idle_calls: int = 20
+    import_runs: int = 3
+    serve_timeout_s: float = 80.0  # rank 1 serves at most this long
+
+
+QUICK = Config(sync=(20, 200), async_calls=500, async_rounds=1,
+               echo={"4 KB": (5, 50), "1 MB": (2, 10), "64 MB": (1, 3)},
+               remote=(10, 50), import_runs=1)
+
+
+# -- helpers (both sides) ----------------------------------------------------------
+def free_port(avoid: set[int]) -> int:
+    """A TCP port on 127.0.0.1 that nobody listens on right now (and not in ``avoid``)."""
+    for _ in range(50):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port not in avoid:
+            return port
+    raise RuntimeError("no free port found")
+
+
+def percentile(samples: list[float], q: float) -> float:
+    """Nearest-rank percentile (q in 0..100)."""
+    ordered = sorted(samples)
+    k = max(0, min(len(ordered) - 1, round(q / 100.0 * len(ordered)) - 1))
+    return ordered[k]
+
+
+class CallsFailed(Exception):
+    """Some calls of a benchmark raised; the timings of the others were kept."""
+
+
+def time_calls(call: Callable[[], Any], warmup: int, timed: int,
+               failures: list[str]) -> list[float]:
+    """Run ``call`` warmup + timed times; the durations (s) of the timed calls that
+    succeeded. A call that raises is counted in ``failures`` and not timed."""
+    out = []
+    for i in range(warmup + timed):
+        t = time.perf_counter()
+        try:
+            call()
+        except Exception as e:
+            failures.append(f"call {i}: {type(e).__name__}: {e}")
+            continue
+        if i >= warmup:
+            out.append(time.perf_counter() - t)
+    if not out:
+        raise CallsFailed(f"all {warmup + timed} calls failed; first: {failures[0]}")
+    return out
+
+
+def check_failures(failures: list[str], calls: int) -> None:
+    if failures:
+        raise CallsFailed(f"{len(failures)} of {calls} calls failed (timings kept for the "
+                          f"others); first: {failures[0]}")
+
+
+def bench_sync(rpc: Any, cfg: Config, failures: list[str]) -> dict[str, float]:
+    samples = time_calls(lambda: rpc.rpc_sync(PEER, _targets.noop), *cfg.sync, failures)
+    return {"sync_median_us": statistics.median(samples) * 1e6,
+            "sync_p99_us": percentile(samples, 99) * 1e6}
+
+
+def async_round(rpc: Any, calls: int, window: int) -> float:
+    """``calls`` no-op rpc_async with at most ``window`` in flight; calls/s."""
+    pending: deque = deque()
+    t = time.perf_counter()
+    for _ in range(calls):
+        if len(pending) >= window:
+            pending.popleft().wait()
+        pending.append(rpc.rpc_async(PEER, _targets.noop))
+    while pending:
+        pending.popleft().wait()
+    return calls / (time.perf_counter() - t)
+
+
+def bench_async(rpc: Any, cfg: Config, failures: list[str]) -> dict[str, float]:
+    async_round(rpc, max(1, cfg.async_calls // 10), cfg.async_window)  # warm-up
+    rates = [async_round(rpc, cfg.async_calls, cfg.async_window) for _ in range(cfg.async_rounds)]
+    return {"async_calls_per_s": statistics.median(rates)}
+
+
+def bench_echo(rpc: Any, label: str, reps: tuple[int, int],
+               failures: list[str]) -> dict[str, float]:
+    nbytes = ECHO_SIZES[label]
+    x = torch.randn(nbytes // 4, dtype=torch.float32)
+    samples = time_calls(lambda: rpc.rpc_sync(PEER, _targets.echo, args=(x,)), *reps, failures)
+    back = rpc.rpc_sync(PEER, _targets.echo, args=(x,))  # checked after timing
+    if not (isinstance(back, torch.Tensor) and torch.equal(back, x)):
+        raise AssertionError(f"echo of {label} returned a different tensor")
+    med = statistics.median(samples)
+    return {f"echo_{label}_us": med * 1e6, f"echo_{label}_gbps": 2 * nbytes / med / 1e9}
+
+
+def bench_remote(rpc: Any, cfg: Config, failures: list[str]) -> dict[str, float]:
+    samples = time_calls(lambda: rpc.remote(PEER, _targets.small, args=(1,)).to_here(),
+                         *cfg.remote, failures)
+    value = rpc.remote(PEER, _targets.small, args=(1,)).to_here()  # checked after timing
+    if value != (2, "ok"):
+        raise AssertionError(f"remote().to_here() returned {value!r}")
+    return {"remote_median_us": statistics.median(samples) * 1e6}
+
+
+def measure(rpc: Any, cfg: Config, rec: dict[str, Any], save: Callable[[], None]) -> None:
+    """Run every benchmark on rank 0 into ``rec["metrics"]`` and ``rec["errors"]``
+    (problems by benchmark), saving after each one."""
+    Step = Callable[[list[str]], dict[str, float]]
+    steps: list[tuple[str, int, Step]] = [
+        ("rpc_sync", sum(cfg.sync), lambda f: bench_sync(rpc, cfg, f)),
+        ("rpc_async", 0, lambda f: bench_async(rpc, cfg, f)),
+    ]
+    for label, reps in cfg.echo.items():
+        steps.append((f"echo {label}", sum(reps),
+                      lambda f, label=label, reps=reps: bench_echo(rpc, label, reps, f)))
+    steps.append(("remote", sum(cfg.remote), lambda f: bench_remote(rpc, cfg, f)))
+    metrics: dict[str, float] = rec.setdefault("metrics", {})
+    errors: dict[str, str] = rec.setdefault("errors", {})
+    for name, calls, step in steps:
+        failures: list[str] = []
+        try:  # one broken benchmark must not hide the others
+            metrics.update(step(failures))
+            check_failures(failures, calls)
+        except Exception as e:
+            errors[name] = f"{type(e).__name__}: {e}"
+        save()
+
+
+def cold_import_s(lib: str, runs: int) -> tuple[float | None, str | None]:
+    """Median time of ``import <library>`` in a fresh interpreter (torch included),
+    and the error of the first run that failed, if any."""
+    code = (f"import time; t = time.perf_counter(); import {MODULES[lib]}; "
+            "print('import_s', time.perf_counter() - t)")
+    times, error = [], None
+    for _ in range(runs):
+        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                              timeout=120, check=False)
+        words = proc.stdout.split()
+        if proc.returncode == 0 and "import_s" in words:
+            times.append(float(words[words.index("import_s") + 1]))
+        elif error is None:
+            error = (proc.stderr.strip().splitlines() or [f"exit status {proc.returncode}"])[-1]
+    return (statistics.median(times) if times else None), error
+
+
+# -- the spawned worker ------------------------------------------------------------
+def _worker(rank: int, lib: str, port: int, outdir: str, cfg: Config) -> None:
+    t_start = time.perf_counter()  # first statement: the process is up, torch imported
+    warnings.filterwarnings("ignore", message="You are using a Backend", category=UserWarning)
+    rec: dict[str, Any] = {"rank": rank, "rss_torch_mb": _targets.rss_mb()}  # spawn imported torch
+    out = Path(outdir) / f"rank{rank}.json"
+
+    def save() -> None:  # after every step, so a run killed at its deadline still reports
+        tmp = out.with_suffix(".tmp")
+        tmp.write_text(json.dumps(rec))
+        os.replace(tmp, out)  # atomic: a kill never leaves half a file
+
+    t = time.perf_counter()
+    rpc = importlib.import_module(MODULES[lib])
+    rec["import_s"] = time.perf_counter() - t
+    rec["rss_lib_mb"] = _targets.rss_mb()  # before init_rpc
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    t = time.perf_counter()
+    rpc.init_rpc(f"worker{rank}", rank=rank, world_size=2)
+    done = time.perf_counter()
+    rec.update(init_call_s=done - t, start_to_init_s=done - t_start)
+    save()
+    try:
+        if rank == 0:
+            _lead(rpc, cfg, rec, save)
+        else:
+            rec["released"] = _targets.wait_released(cfg.serve_timeout_s)
+    finally:
+        save()
+        t = time.perf_counter()
+        rpc.shutdown()
+        rec["shutdown_s"] = time.perf_counter() - t
+        save()
+
+
+def _lead(rpc: Any, cfg: Config, rec: dict[str, Any], save: Callable[[], None]) -> None:
+    """Rank 0: a few calls, the memory reading, the benchmarks, then release rank 1."""
+    try:
+        for _ in range(cfg.idle_calls):
+            rpc.rpc_sync(PEER, _targets.noop)
+        rec["rss_idle_mb"] = _targets.rss_mb()
+        rec["peer_rss_idle_mb"] = rpc.rpc_sync(PEER, _targets.rss_mb)
+        save()
+        measure(rpc, cfg, rec, save)
+    except Exception:
+        rec["fatal"] = traceback.format_exc()
+    finally:
+        try:
+            rpc.rpc_sync(PEER, _targets.release)
+        except Exception as e:
+            rec.setdefault("errors", {})["release"] = f"{type(e).__name__}: {e}"
+
+
+# -- the parent --------------------------------------------------------------------
+def run_library(lib: str, port: int, cfg: Config, limit_s: float) -> dict[str, Any]:
+    """Spawn the two workers of ``lib``, wait (bounded) and collect their records."""
+    with tempfile.TemporaryDirectory(prefix=f"bench_{lib}_") as outdir:
+        t = time.perf_counter()
+        problem = _join_bounded(mp.spawn(_worker, args=(lib, port, outdir, cfg), nprocs=2,
+                                         join=False), limit_s)
+        result: dict[str, Any] = {"wall_s": time.perf_counter() - t, "problem": problem}
+        for rank in (0, 1):
+            path = Path(outdir) / f"rank{rank}.json"
+            result[f"rank{rank}"] = _read_record(path)
+    return result
+
+
+def _read_record(path: Path) -> dict[str, Any]:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _join_bounded(ctx: Any, limit_s: float) -> str | None:
+    """Wait for the spawned processes; kill them past ``limit_s``. A problem, or None."""
+    deadline = time.monotonic() + limit_s
+    try:
+        while not ctx.join(timeout=1.0):
+            if time.monotonic() > deadline:
+                return f"timed out after {limit_s:g} s (processes killed)"
+        return None
+    except Exception as e:  # a worker raised or died: torch reports it here
+        return f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}"
+    finally:
+        for p in ctx.processes:
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+
+
+# -- the table ---------------------------------------------------------------------
+@dataclasses.dataclass
+class Row:
+    """One line of the table; ``test`` judges the ratio, or nbrpc's value if ``absolute``."""
+
+    metric: str
+    nbrpc: float | None
+    torch: float | None
+    fmt: str = "{:.1f}"
+    target: str = ""
+    test: Callable[[float], bool] | None = None
+    absolute: bool = False
+    ratio_ok: bool = True
+
+    def ratio(self) -> float | None:
+        if not self.ratio_ok or self.nbrpc is None or not self.torch:
+            return None
+        return self.nbrpc / self.torch
+
+    def met(self) -> bool | None:
+        value = self.nbrpc if self.absolute else self.ratio()
+        return None if self.test is None or value is None else self.test(value)
+
+
+def _get(res: dict[str, Any], rank: int, key: str) -> float | None:
+    return res[f"rank{rank}"].get(key)
+
+
+def _metric(res: dict[str, Any], key: str) -> float | None:
+    return res["rank0"].get("metrics", {}).get(key)
+
+
+def _median_ranks(res: dict[str, Any], key: str, scale: float = 1.0) -> float | None:
+    vals = [v * scale for v in (_get(res, r, key) for r in (0, 1)) if v is not None]
+    return statistics.median(vals) if vals else None
+
+
+def _over_torch(res: dict[str, Any], rank: int) -> float | None:
+    """Idle-agent VmRSS minus VmRSS after import torch, for one rank (MiB)."""
+    idle = _get(res, 0, "rss_idle_mb" if rank == 0 else "peer_rss_idle_mb")
+    base = _get(res, rank, "rss_torch_mb")
+    return None if idle is None or base is None else idle - base
+
+
+def build_rows(nb: dict[str, Any], tc: dict[str, Any]) -> list[Row]:
+    def pair(get: Callable[[dict[str, Any]], float | None]) -> tuple[float | None, float | None]:
+        return get(nb), get(tc)
+
+    def metric(key: str) -> tuple[float | None, float | None]:
+        return pair(lambda r: _metric(r, key))
+
+    def ranks(key: str) -> tuple[float | None, float | None]:
+        return pair(lambda r: _median_ranks(r, key, 1e3))
+
+    rows = [
+        Row("rpc_sync no-op, median (µs)", *metric("sync_median_us"),
+            target="ratio ≤ 0.6", test=lambda x: x <= 0.6),
+        Row("rpc_sync no-op, p99 (µs)", *metric("sync_p99_us")),
+        Row("rpc_async no-op, ≤64 in flight (calls/s)", *metric("async_calls_per_s"),
+            fmt="{:.0f}", target="ratio ≥ 3", test=lambda x: x >= 3.0),
+    ]
+    for label in ECHO_SIZES:
+        rows.append(Row(f"echo {label} tensor, median RTT (µs)", *metric(f"echo_{label}_us"),
+                        fmt="{:.0f}"))
+        big = label == "64 MB"
+        rows.append(Row(f"echo {label} tensor, bandwidth (GB/s)", *metric(f"echo_{label}_gbps"),
+                        fmt="{:.3f}", target="ratio ≥ 2" if big else "",
+                        test=(lambda x: x >= 2.0) if big else None))
+    rows += [
+        Row("remote() + to_here(), median (µs)", *metric("remote_median_us")),
+        Row("import of the RPC library, torch already imported (ms)", *ranks("import_s"),
+            ratio_ok=False),
+        Row("import of the RPC library in a fresh interpreter (ms)",
+            *pair(lambda r: None if r["cold_import_s"] is None else r["cold_import_s"] * 1e3),
+            fmt="{:.0f}"),
+        Row("init_rpc() call alone (ms)", *ranks("init_call_s")),
+        Row("start of worker → init_rpc returned (ms)", *ranks("start_to_init_s")),
+    ]
+    for rank, who in ((0, "caller, rank 0"), (1, "idle server, rank 1")):
+        rows.append(Row(f"agent RSS over import torch, {who} (MiB)",
+                        *pair(lambda r, rank=rank: _over_torch(r, rank)),
+                        target="nbrpc < 30 MiB", test=lambda x: x < 30.0, absolute=True))
+    rows.append(Row("rpc.shutdown() (ms)", *ranks("shutdown_s"), fmt="{:.0f}"))
+    return rows
+
+
+def _cells(row: Row) -> list[str]:
+    def num(v: float | None, fmt: str) -> str:
+        return "n/a" if v is None else fmt.format(v)
+
+    met = row.met()
+    met_cell = "" if not row.target else ("n/a" if met is None else ("yes" if met else "NO"))
+    return [row.metric, num(row.nbrpc, row.fmt), num(row.torch, row.fmt),
+            num(row.ratio(), "{:.2f}x"), row.target, met_cell]
+
+
+HEADER = ["metric", "nbrpc", "torch", "nbrpc/torch", "target", "met"]
+
+
+def render_text(rows: list[Row]) -> str:
+    table = [HEADER] + [_cells(r) for r in rows]
+    widths = [max(len(line[i]) for line in table) for i in range(len(HEADER))]
+
+    def fmt(line: list[str]) -> str:
+        first = line[0].ljust(widths[0])
+        rest = [c.rjust(w) if i < 3 else c.ljust(w)
+                for i, (c, w) in enumerate(zip(line[1:], widths[1:], strict=True))]
+        return "  ".join([first, *rest]).rstrip()
+
+    rule = "  ".join("-" * w for w in widths)
+    return "\n".join([fmt(HEADER), rule] + [fmt(line) for line in table[1:]])
+
+
+def render_markdown(rows: list[Row]) -> str:
+    lines = ["| " + " | ".join(HEADER) + " |",
+             "|" + "|".join([":---", "---:", "---:", "---:", ":---", ":---:"]) + "|"]
+    lines += ["| " + " | ".join(_cells(r)) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def describe(cfg: Config, quick: bool, markdown: bool) -> str:
+    echo = ", ".join(f"{k}: {w}+{n}" for k, (w, n) in cfg.echo.items())
+    lines = [
+        f"nbrpc vs torch.distributed.rpc (TensorPipe, default options){' [--quick]' if quick else ''}",
+        f"torch {torch.__version__}, Python {platform.python_version()}, "
+        f"{os.cpu_count()} CPUs, {platform.machine()}; 2 processes on 127.0.0.1; load average "
+        f"at the end {os.getloadavg()[0]:.2f} (other work on the machine skews the numbers)",
+        f"iterations (warm-up+timed): rpc_sync {cfg.sync[0]}+{cfg.sync[1]}; rpc_async "
+        f"{cfg.async_rounds} round(s) of {cfg.async_calls} calls, ≤{cfg.async_window} in flight; "
+        f"echo {echo}; remote {cfg.remote[0]}+{cfg.remote[1]}",
+        "bandwidth = 2 * tensor size / median round-trip time (GB/s = 1e9 bytes/s; "
+        "1 MB = 2**20 bytes, float32 tensors)",
+        "RSS over import torch: VmRSS after init_rpc + a few no-op calls minus VmRSS after "
+        "import torch (MiB)",
+        "`import torch` already loads torch.distributed.rpc, so importing it afterwards is "
+        "free (no ratio shown); the fresh-interpreter import includes torch for both",
+    ]
+    return "\n".join(f"- {line}" for line in lines) if markdown else "\n".join(lines)
+
+
+def problems(results: dict[str, dict[str, Any]]) -> list[str]:
+    out = []
+    for lib, res in results.items():
+        if res["problem"]:
+            out.append(f"{lib}: {res['problem']}")
+        if res.get("cold_import_error"):
+            out.append(f"{lib}: import in a fresh interpreter failed: {res['cold_import_error']}")
+        for rank in (0, 1):
+            rec = res[f"rank{rank}"]
+            if not rec:
+                out.append(f"{lib}: rank {rank} wrote no results")
+            if rec.get("fatal"):
+                out.append(f"{lib}: rank {rank} failed:\n{rec['fatal']}")
+            for name, err in rec.get("errors", {}).items():
+                out.append(f"{lib}: {name}: {err}")
+            if rank == 1 and rec and rec.get("released") is False:
+                out.append(f"{lib}: rank 1 was never released (served until its timeout)")
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="few iterations (a smoke test)")
+    ap.add_argument("--markdown", action="store_true", help="print the table as Markdown")
+    ap.add_argument("--timeout", type=float, default=None,
+                    help="seconds after which one library's processes are killed "
+                         "(default 80, 45 with --quick)")
+    args = ap.parse_args(argv)
+    cfg = QUICK if args.quick else Config()
+    limit = args.timeout or (45.0 if args.quick else 80.0)
+    cfg = dataclasses.replace(cfg, serve_timeout_s=limit)
+    ports: set[int] = set()
+    results: dict[str, dict[str, Any]] = {}
+    for lib in LIBRARIES:
+        port = free_port(ports)
+        ports.add(port)
+        print(f"running {lib} (MASTER_PORT={port}) ...", file=sys.stderr, flush=True)
+        results[lib] = run_library(lib, port, cfg, limit)
+        results[lib]["cold_import_s"], results[lib]["cold_import_error"] = cold_import_s(
+            lib, cfg.import_runs)
+        print(f"  {lib} done in {results[lib]['wall_s']:.1f} s", file=sys.stderr, flush=True)
+    rows = build_rows(results["nbrpc"], results["torch"])
+    print(describe(cfg, args.quick, args.markdown))
+    print()
+    print(render_markdown(rows) if args.markdown else render_text(rows))
+    issues = problems(results)
+    if issues:
+        print("\nproblems:")
+        print("\n".join(f"- {p}" for p in issues))
+    return 1 if issues else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
