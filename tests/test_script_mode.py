@@ -65,6 +65,7 @@ from nbrpc.errors import (
 )
 from nbrpc.serialize import dumps
 from nbrpc.transport import pack
+from nbrpc.transport.frames import SIG_LEN
 
 pytestmark = pytest.mark.multiprocess
 
@@ -645,12 +646,12 @@ def tampered_messages_are_dropped():
     key = current_agent()._key  # the group key, to forge a message that was signed
     forged = pack(b"\x00" * 32, REQUEST, 0, 10**9, payload)  # signed with a wrong key
     signed = pack(key, REQUEST, 0, 10**9 + 1, payload)
-    flipped = bytearray(signed[2])
-    flipped[len(flipped) // 2] ^= 0xFF
-    tampered_payload = [signed[0], signed[1], bytes(flipped)]  # payload changed in flight
-    header = bytearray(signed[1])
-    header[8] ^= 0x01  # message id changed in flight
-    tampered_header = [signed[0], bytes(header), signed[2]]
+    flipped = bytearray(signed[0])  # the head frame: signature ‖ header ‖ payload
+    flipped[-len(payload) // 2] ^= 0xFF
+    tampered_payload = [bytes(flipped)]  # payload changed in flight
+    header = bytearray(signed[0])
+    header[SIG_LEN + 8] ^= 0x01  # message id changed in flight
+    tampered_header = [bytes(header)]
     truncated = [b"not a message"]
     bad = [forged, tampered_payload, tampered_header, truncated]
     ctx = zmq.Context()

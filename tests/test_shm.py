@@ -53,10 +53,10 @@ def test_segment_names_are_signed() -> None:
     env = unpack(key, frames)
     assert env.buffers[1] == ShmRef("nbrpc-1-aa-0", 1 << 20) and bytes(env.buffers[0]) == b"abc"
     forged = list(frames)
-    forged[1] = frames[1].replace(b"nbrpc-1-aa-0", b"nbrpc-1-bb-0")
+    forged[0] = frames[0].replace(b"nbrpc-1-aa-0", b"nbrpc-1-bb-0")
     with pytest.raises(BadMessage):
         unpack(key, forged)
     stuffed = list(frames)
-    stuffed[4] = b"data where none belongs"
+    stuffed[2] = b"data where none belongs"
     with pytest.raises(BadMessage):
         unpack(key, stuffed)

@@ -325,8 +325,8 @@ class IOLoop:
             except zmq.Again:
                 return
             frames = []
-            while router.rcvmore:
-                frames.append(router.recv(copy=len(frames) < 3))
+            while router.rcvmore:  # the head as bytes; buffers zero-copy
+                frames.append(router.recv(copy=not frames))
             self._deliver(frames)
 
     def _deliver(self, frames: list) -> None:
@@ -346,7 +346,7 @@ class IOLoop:
                           env.sender, e)
                 return
         self.recv_msgs += 1
-        self.recv_bytes += len(env.payload) + sum(memoryview(b).nbytes for b in env.buffers)
+        self.recv_bytes += env.payload.nbytes + sum(memoryview(b).nbytes for b in env.buffers)
         self._on_message(env)
 
     def _release(self, give_back: Callable[[], None]) -> None:
@@ -393,7 +393,7 @@ class _Dealer:
 
 def _copy_frames(frames: list) -> list:
     """What a socket would deliver: private copies (buffers writable, for torch)."""
-    return [bytes(f) for f in frames[:3]] + [bytearray(f) for f in frames[3:]]
+    return [bytes(frames[0])] + [bytearray(f) for f in frames[1:]]
 
 
 def _bracket(host: str) -> str:
