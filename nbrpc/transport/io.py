@@ -43,6 +43,7 @@ log = logging.getLogger(__name__)
 
 _RECV_BATCH = 256  # messages read per wake-up before the outbox is served again
 _LINGER_MS = 2000  # how long close() lets queued frames drain
+_MAX_SLEEP_MS = 500  # the loop wakes at least this often to look at new timers
 
 
 class IOLoop:
@@ -276,8 +277,7 @@ class IOLoop:
         try:
             while not self._stopping:
                 timeout = self._timer_timeout()
-                self._poll_until = (float("inf") if timeout is None
-                                    else time.monotonic() + timeout / 1000)
+                self._poll_until = time.monotonic() + timeout / 1000
                 self._sleeping = True
                 if queue:
                     timeout = 0
@@ -318,14 +318,17 @@ class IOLoop:
                 entry.sock.close(linger=0)
 
     def _recv_batch(self) -> None:
-        router = self._router
+        # getsockopt, not the .rcvmore/.events properties (pyzmq resolves those
+        # through a slow __getattr__), and EVENTS rather than waiting for the
+        # zmq.Again exception that a non-blocking recv raises when empty.
+        router, getsockopt = self._router, self._router.getsockopt
+        RCVMORE, EVENTS, POLLIN = zmq.RCVMORE, zmq.EVENTS, zmq.POLLIN
         for _ in range(_RECV_BATCH):
-            try:
-                router.recv(zmq.NOBLOCK)  # connection identity: unused
-            except zmq.Again:
+            if not getsockopt(EVENTS) & POLLIN:
                 return
+            router.recv()  # connection identity: unused
             frames = []
-            while router.rcvmore:  # the head as bytes; buffers zero-copy
+            while getsockopt(RCVMORE):  # the head as bytes; buffers zero-copy
                 frames.append(router.recv(copy=not frames))
             self._deliver(frames)
 
@@ -356,14 +359,16 @@ class IOLoop:
         else:
             self.call_soon(give_back)
 
-    def _timer_timeout(self) -> int | None:
+    def _timer_timeout(self) -> int:
+        """Milliseconds to sleep: until the next timer, and never above
+        _MAX_SLEEP, so that a far deadline (a call's 60 s) needs no wake-up."""
         timers = self._timers
         with self._timer_lock:
             while timers and timers[0][2] is None:
                 heapq.heappop(timers)
             if not timers:
-                return None
-            return max(0, int((timers[0][0] - time.monotonic()) * 1000) + 1)
+                return _MAX_SLEEP_MS
+            return min(_MAX_SLEEP_MS, max(0, int((timers[0][0] - time.monotonic()) * 1000) + 1))
 
     def _run_timers(self) -> None:
         now = time.monotonic()
