@@ -276,14 +276,17 @@ class IOLoop:
         router, queue = self._router, self._queue
         try:
             while not self._stopping:
+                # Announce the sleep before reading the timers: a timer added
+                # from now on either is seen below or wakes the poll (while
+                # _poll_until is unknown, any new timer counts as earlier).
+                self._poll_until = float("inf")
+                self._sleeping = True
                 timeout = self._timer_timeout()
                 self._poll_until = time.monotonic() + timeout / 1000
-                self._sleeping = True
                 if queue:
                     timeout = 0
                 ready = dict(poller.poll(timeout))
                 self._sleeping = False
-                self._poll_until = 0.0
                 if self._wake_r in ready:
                     try:
                         while os.read(self._wake_r, 4096):

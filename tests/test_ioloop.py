@@ -1,0 +1,62 @@
+"""The I/O loop alone: timers, hand-off, and delivery to itself."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from conftest import poll_for
+
+from nbrpc.transport import IOLoop, new_key
+
+
+def _loop(received: list) -> IOLoop:
+    loop = IOLoop(new_key(), 0, received.append, name="nbrpc-io-test")
+    loop.bind()
+    loop.start()
+    assert poll_for(lambda: loop.thread_ident is not None)
+    return loop
+
+
+def test_short_timer_added_while_the_loop_sleeps_fires_on_time() -> None:
+    loop = _loop([])
+    try:
+        time.sleep(0.05)  # the loop is now in its long (bounded) sleep
+        for delay in (0.05, 0.01, 0.1):
+            fired = threading.Event()
+            t0 = time.monotonic()
+            loop.call_later(delay, fired.set)
+            assert fired.wait(2)
+            assert delay <= time.monotonic() - t0 < delay + 0.2
+    finally:
+        loop.stop()
+
+
+def test_cancelled_timer_never_fires() -> None:
+    loop = _loop([])
+    try:
+        fired = []
+        handle = loop.call_later(0.05, fired.append, 1)
+        IOLoop.cancel(handle)
+        done = threading.Event()
+        loop.call_later(0.15, done.set)
+        assert done.wait(2) and fired == []
+    finally:
+        loop.stop()
+
+
+def test_call_soon_runs_on_the_io_thread_and_self_delivery_copies() -> None:
+    received: list = []
+    loop = _loop(received)
+    try:
+        where = []
+        loop.call_soon(lambda: where.append(threading.get_ident()))
+        assert poll_for(lambda: where == [loop.thread_ident])
+        buf = bytearray(b"abcd")
+        loop.send(0, 1, 5, b"payload", [buf])
+        assert poll_for(lambda: len(received) == 1)
+        env = received[0]
+        buf[0] = ord("X")  # the delivered copy is not the sender's memory
+        assert (env.msg_id, bytes(env.payload), bytes(env.buffers[0])) == (5, b"payload", b"abcd")
+    finally:
+        loop.stop()
