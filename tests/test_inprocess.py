@@ -366,3 +366,27 @@ def test_to_here_right_after_remote_never_overtakes_creation(trio) -> None:
     for i in range(5):  # the Remote's arguments take 50 ms to unpickle on the owner
         r = remote(a, "b", add, (SlowToUnpickle(i),), {}, -1)
         assert r.to_here() == i
+
+
+class Unpicklable:
+    """Pickles fine, fails to unpickle: a Remote carrying it never arrives."""
+
+    def __reduce__(self):
+        return _fail_restore, ()
+
+
+def _fail_restore():
+    raise RuntimeError("cannot rebuild this argument here")
+
+
+def test_to_here_fails_promptly_when_creation_never_arrives(trio) -> None:
+    a, b, _ = trio
+    from nbrpc.rref import remote
+
+    r = remote(a, "b", add, (Unpicklable(),), {}, -1)
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match="cannot rebuild"):
+        r.to_here()
+    assert time.monotonic() - t0 < 2  # not the 10 s RPC timeout
+    # the owner's waiting Fetch is bounded and cleaned up after its timeout
+    assert b.ext["rref"].owned.entries == {}

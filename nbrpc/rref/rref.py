@@ -19,6 +19,7 @@ confirmations), and raises a clear error until then.
 from __future__ import annotations
 
 import sys
+import threading
 import weakref
 from dataclasses import dataclass
 from typing import Any, ClassVar, Generic, TypeVar
@@ -28,6 +29,7 @@ import torch
 from ..agent import (
     Agent,
     Deferred,
+    RpcFuture,
     WorkerInfo,
     check_future,
     current_agent,
@@ -61,6 +63,20 @@ class Remote:
 class Fetch:
     op: ClassVar[str] = "rref_fetch"
     rref_id: RRefId
+    # Sent by the creator before its Remote was acknowledged: the owner may
+    # see it first, and then waits (at most ``timeout`` s) for the entry.
+    may_overtake: bool = False
+    timeout: float = 0.0
+
+
+@fast_pickle
+@dataclass(frozen=True, slots=True)
+class CancelFetch:
+    """The creator learnt its Remote failed: drop Fetches waiting for the entry."""
+
+    op: ClassVar[str] = "rref_cancel_fetch"
+    rref_id: RRefId
+    reason: str
 
 
 @fast_pickle
@@ -95,7 +111,20 @@ class RRefContext:
         return None
 
     def handle_fetch(self, msg: Fetch, sender: int) -> Deferred:
-        return Deferred(self._entry(msg.rref_id).value)
+        if not msg.may_overtake or self.owned.get(msg.rref_id) is not None:
+            return Deferred(self._entry(msg.rref_id).value)
+        entry = self.owned.await_entry(msg.rref_id)
+        if msg.timeout > 0:
+            gone = NbrpcError(f"RRef {msg.rref_id} was never created on {self.agent.name!r}")
+            self.agent.io.call_later(msg.timeout, self.owned.expire_waiter, msg.rref_id,
+                                     entry, gone)
+        value: torch.futures.Future = torch.futures.Future()
+        entry.add_done_callback(lambda f: _chain(f, value))
+        return Deferred(value)
+
+    def handle_cancel_fetch(self, msg: CancelFetch, sender: int) -> int:
+        return self.owned.expire_waiters(msg.rref_id, NbrpcError(
+            f"RRef {msg.rref_id} was never created on {self.agent.name!r}: {msg.reason}"))
 
     def handle_delete(self, msg: Delete, sender: int) -> bool:
         return self.owned.remove_fork(msg.rref_id, msg.fork_id)
@@ -129,6 +158,7 @@ def _install(agent: Agent) -> None:
     agent.handlers[Remote.op] = ctx.handle_remote
     agent.handlers[Fetch.op] = ctx.handle_fetch
     agent.handlers[Delete.op] = ctx.handle_delete
+    agent.handlers[CancelFetch.op] = ctx.handle_cancel_fetch
     agent.snapshot_sections["rrefs"] = ctx.snapshot
 
 
@@ -223,12 +253,17 @@ class RRef(Generic[T]):
         """The value, copied to this worker (waits for it to exist)."""
         if self.is_owner():
             return self.local_value()
-        if self._creation is not None:
-            # The owner's pool may run requests out of order: a Fetch that
-            # overtook its Remote would find no entry. Creation is acked once
-            # the value (or its error) is stored, so fetch after the ack.
-            self._creation.wait()  # raises if the creation itself failed to arrive
-        return self._agent.request(self._owner, Fetch(self._id), timeout).wait()
+        agent = self._agent
+        if timeout is None or timeout < 0:
+            timeout = agent.options.rpc_timeout
+        pending = self._creation is not None and not self._creation.done()
+        # Not yet acknowledged: the owner's pool may run this Fetch before the
+        # Remote that creates the value, so say so and let the owner wait.
+        fut = agent.request(self._owner, Fetch(self._id, pending, timeout), timeout)
+        if self._creation is None:
+            return fut.wait()
+        return _value_or_creation_error(agent, fut, self._creation, self._owner,
+                                        self._id).wait()
 
     # -- proxies -----------------------------------------------------------------
     def rpc_sync(self, timeout: float = -1.0) -> Any:
@@ -315,6 +350,40 @@ def _call_method_on_owner(rref_id: RRefId, name: str, args: tuple, kwargs: dict)
 
 
 mark_async(_call_method_on_owner)
+
+
+def _value_or_creation_error(agent: Agent, fetch: Any, creation: Any, owner: int,
+                             rref_id: RRefId) -> Any:
+    """A future of the fetched value that fails at once if the Remote that
+    creates it failed to arrive; the owner is then told to drop the Fetch it
+    holds for that value (which would otherwise wait out its timeout)."""
+    out = RpcFuture(agent._io_ident)
+    claimed = threading.Lock()
+
+    def finish(f: Any, from_fetch: bool) -> None:
+        if not from_fetch:
+            try:
+                f.value()
+                return  # created fine: the fetch decides
+            except BaseException as e:
+                if not fetch.done():
+                    agent.request(owner, CancelFetch(rref_id, f"{type(e).__name__}: {e}"))
+        if claimed.acquire(blocking=False):
+            _settle(out, f)
+
+    fetch.add_done_callback(lambda f: finish(f, True))
+    creation.add_done_callback(lambda f: finish(f, False))
+    return out
+
+
+def _chain(entry_fut: torch.futures.Future, out: torch.futures.Future) -> None:
+    """When the entry exists, complete ``out`` with its value (or error)."""
+    try:
+        entry = entry_fut.value()
+    except BaseException as e:
+        out.set_exception(e)
+        return
+    entry.value.add_done_callback(lambda v: _settle(out, v))
 
 
 def _settle(target: torch.futures.Future, source: torch.futures.Future) -> None:

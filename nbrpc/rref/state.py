@@ -55,6 +55,11 @@ class OwnerTable:
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
         self.entries: dict[RRefId, OwnerEntry] = {}
+        # Fetches that overtook the Remote creating their entry (the pool may
+        # run requests out of order): resolved by create(), or expired.
+        self._awaiting: dict[RRefId, list[torch.futures.Future]] = {}
+        # ids whose creator gave up, for a Fetch that arrives after the cancel
+        self._cancelled: dict[RRefId, Exception] = {}
         self.deleted = 0
 
     def new_id(self) -> RRefId:
@@ -70,7 +75,49 @@ class OwnerTable:
                 entry.forks.add(fork)
             if owner_ref:
                 entry.owner_refs += 1
-            return entry
+            waiting = self._awaiting.pop(rref_id, ())
+        for w in waiting:
+            w.set_result(entry)
+        return entry
+
+    def await_entry(self, rref_id: RRefId) -> torch.futures.Future:
+        """A future of the entry, completed now if it exists, else when created."""
+        fut: torch.futures.Future = torch.futures.Future()
+        with self._lock:
+            entry = self.entries.get(rref_id)
+            cancelled = self._cancelled.pop(rref_id, None)
+            if entry is None and cancelled is None:
+                self._awaiting.setdefault(rref_id, []).append(fut)
+                return fut
+        if entry is None:
+            fut.set_exception(cancelled)
+        else:
+            fut.set_result(entry)
+        return fut
+
+    def expire_waiters(self, rref_id: RRefId, error: Exception) -> int:
+        """Fail every fetch still waiting for ``rref_id`` (its creator gave up)."""
+        with self._lock:
+            waiters = self._awaiting.pop(rref_id, [])
+            if not waiters and rref_id not in self.entries:  # the Fetch may come later
+                if len(self._cancelled) >= 1024:
+                    self._cancelled.pop(next(iter(self._cancelled)))
+                self._cancelled[rref_id] = error
+        for w in waiters:
+            w.set_exception(error)
+        return len(waiters)
+
+    def expire_waiter(self, rref_id: RRefId, fut: torch.futures.Future, error: Exception) -> None:
+        """Give up on a waiter whose entry never came (bounds the table)."""
+        with self._lock:
+            waiters = self._awaiting.get(rref_id, [])
+            if fut in waiters:
+                waiters.remove(fut)
+                if not waiters:
+                    del self._awaiting[rref_id]
+            else:
+                return
+        fut.set_exception(error)
 
     def get(self, rref_id: RRefId) -> OwnerEntry | None:
         return self.entries.get(rref_id)
