@@ -390,3 +390,16 @@ def test_to_here_fails_promptly_when_creation_never_arrives(trio) -> None:
     assert time.monotonic() - t0 < 2  # not the 10 s RPC timeout
     # the owner's waiting Fetch is bounded and cleaned up after its timeout
     assert b.ext["rref"].owned.entries == {}
+
+
+def test_proxy_right_after_remote_never_overtakes_creation(trio) -> None:
+    a, _, _ = trio
+    from nbrpc.rref import remote
+
+    for i in range(3):  # the Remote's arguments take 50 ms to unpickle on the owner
+        r = remote(a, "b", Counter, (SlowToUnpickle(i),), {}, -1)
+        assert r.rpc_sync().incr(1) == i + 1
+        r2 = remote(a, "c", Counter, (SlowToUnpickle(i),), {}, -1)
+        assert r2.rpc_async().incr(2).wait() == i + 2
+        r3 = remote(a, "b", Counter, (SlowToUnpickle(i),), {}, -1)
+        assert r3.remote().incr(3).to_here() == i + 3

@@ -111,16 +111,22 @@ class RRefContext:
         return None
 
     def handle_fetch(self, msg: Fetch, sender: int) -> Deferred:
-        if not msg.may_overtake or self.owned.get(msg.rref_id) is not None:
-            return Deferred(self._entry(msg.rref_id).value)
-        entry = self.owned.await_entry(msg.rref_id)
-        if msg.timeout > 0:
-            gone = NbrpcError(f"RRef {msg.rref_id} was never created on {self.agent.name!r}")
-            self.agent.io.call_later(msg.timeout, self.owned.expire_waiter, msg.rref_id,
-                                     entry, gone)
+        return Deferred(self.value_future(msg.rref_id, msg.may_overtake, msg.timeout))
+
+    def value_future(self, rref_id: RRefId, may_overtake: bool = False,
+                     timeout: float = 0.0) -> torch.futures.Future:
+        """A future of an owned value. ``may_overtake``: the request may have
+        overtaken the Remote that creates the entry (the pool runs requests in
+        any order), so wait for the entry, at most ``timeout`` s."""
+        if not may_overtake or self.owned.get(rref_id) is not None:
+            return self._entry(rref_id).value
+        entry = self.owned.await_entry(rref_id)
+        if timeout > 0:
+            gone = NbrpcError(f"RRef {rref_id} was never created on {self.agent.name!r}")
+            self.agent.io.call_later(timeout, self.owned.expire_waiter, rref_id, entry, gone)
         value: torch.futures.Future = torch.futures.Future()
         entry.add_done_callback(lambda f: _chain(f, value))
-        return Deferred(value)
+        return value
 
     def handle_cancel_fetch(self, msg: CancelFetch, sender: int) -> int:
         return self.owned.expire_waiters(msg.rref_id, NbrpcError(
@@ -324,29 +330,46 @@ class _Proxy:
         rref, how, timeout = self._rref, self._how, self._timeout
 
         def invoke(*args: Any, **kwargs: Any) -> Any:
-            call_args = (rref._id, name, args, kwargs)
+            agent = rref._agent
+            limit = agent.options.rpc_timeout if timeout is None or timeout < 0 else timeout
+            pending = rref._creation is not None and not rref._creation.done()
+            call_args = (rref._id, name, args, kwargs, pending, limit)
             if how == "remote":
-                return remote(rref._agent, rref._owner, _call_method_on_owner, call_args, {},
-                              timeout)
-            fut = rref._agent.rpc_async(rref._owner, _call_method_on_owner, call_args,
-                                        timeout=timeout)
+                return remote(agent, rref._owner, _call_method_on_owner, call_args, {}, timeout)
+            fut = agent.rpc_async(rref._owner, _call_method_on_owner, call_args, timeout=timeout)
+            if rref._creation is not None:
+                fut = _value_or_creation_error(agent, fut, rref._creation, rref._owner, rref._id)
             return fut.wait() if how == "rpc_sync" else fut
 
         invoke.__name__ = name
         return invoke
 
 
-def _call_method_on_owner(rref_id: RRefId, name: str, args: tuple, kwargs: dict) -> Any:
-    """Runs on the owner; always answers through a future, so that a method
-    marked @async_execution defers the reply instead of sending a future."""
-    value = current_agent().ext["rref"].local_value(rref_id)
-    method = getattr(value, name)
-    result = method(*args, **kwargs)
-    if is_async(method):
-        return check_future(method, result)
-    done = torch.futures.Future()
-    done.set_result(result)
-    return done
+def _call_method_on_owner(rref_id: RRefId, name: str, args: tuple, kwargs: dict,
+                          may_overtake: bool = False, timeout: float = 0.0) -> Any:
+    """Runs on the owner. Answers through a future: the value may not exist
+    yet (then the method runs on a pool thread once it does, holding no thread
+    meanwhile), and a method marked @async_execution defers the reply."""
+    agent = current_agent()
+    out: torch.futures.Future = torch.futures.Future()
+
+    def run(value_fut: torch.futures.Future) -> None:
+        try:
+            method = getattr(value_fut.value(), name)
+            result = method(*args, **kwargs)
+            if is_async(method):
+                check_future(method, result).add_done_callback(lambda f: _settle(out, f))
+            else:
+                out.set_result(result)
+        except BaseException as e:
+            out.set_exception(e)
+
+    value = agent.ext["rref"].value_future(rref_id, may_overtake, timeout)
+    if value.done():
+        run(value)
+    else:
+        value.add_done_callback(lambda f: agent.pool.submit(run, f))
+    return out
 
 
 mark_async(_call_method_on_owner)
