@@ -330,6 +330,7 @@ class Row:
     test: Callable[[float], bool] | None = None
     absolute: bool = False
     ratio_ok: bool = True
+    spread: str = ""  # range of the per-repetition ratios, when repeated
 
     def ratio(self) -> float | None:
         if not self.ratio_ok or self.nbrpc is None or not self.torch:
@@ -410,10 +411,25 @@ def _cells(row: Row) -> list[str]:
     met = row.met()
     met_cell = "" if not row.target else ("n/a" if met is None else ("yes" if met else "NO"))
     return [row.metric, num(row.nbrpc, row.fmt), num(row.torch, row.fmt),
-            num(row.ratio(), "{:.2f}x"), row.target, met_cell]
+            num(row.ratio(), "{:.2f}x"), row.spread, row.target, met_cell]
 
 
-HEADER = ["metric", "nbrpc", "torch", "nbrpc/torch", "target", "met"]
+HEADER = ["metric", "nbrpc", "torch", "nbrpc/torch", "ratio range", "target", "met"]
+
+
+def merge_repetitions(reps: list[list[Row]]) -> list[Row]:
+    """One row per metric: the median of each library's values over the
+    repetitions, and the range of the per-repetition ratios (the noise)."""
+    merged = []
+    for versions in zip(*reps, strict=True):
+        nb = [r.nbrpc for r in versions if r.nbrpc is not None]
+        tc = [r.torch for r in versions if r.torch is not None]
+        ratios = [x for x in (r.ratio() for r in versions) if x is not None]
+        spread = f"{min(ratios):.2f}–{max(ratios):.2f}" if len(ratios) > 1 else ""
+        merged.append(dataclasses.replace(
+            versions[0], nbrpc=statistics.median(nb) if nb else None,
+            torch=statistics.median(tc) if tc else None, spread=spread))
+    return merged
 
 
 def render_text(rows: list[Row]) -> str:
@@ -422,7 +438,7 @@ def render_text(rows: list[Row]) -> str:
 
     def fmt(line: list[str]) -> str:
         first = line[0].ljust(widths[0])
-        rest = [c.rjust(w) if i < 3 else c.ljust(w)
+        rest = [c.rjust(w) if i < 4 else c.ljust(w)
                 for i, (c, w) in enumerate(zip(line[1:], widths[1:], strict=True))]
         return "  ".join([first, *rest]).rstrip()
 
@@ -432,7 +448,7 @@ def render_text(rows: list[Row]) -> str:
 
 def render_markdown(rows: list[Row]) -> str:
     lines = ["| " + " | ".join(HEADER) + " |",
-             "|" + "|".join([":---", "---:", "---:", "---:", ":---", ":---:"]) + "|"]
+             "|" + "|".join([":---", "---:", "---:", "---:", "---:", ":---", ":---:"]) + "|"]
     lines += ["| " + " | ".join(_cells(r)) + " |" for r in rows]
     return "\n".join(lines)
 
@@ -484,25 +500,38 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timeout", type=float, default=None,
                     help="seconds after which one library's processes are killed "
                          "(default 80, 45 with --quick)")
+    ap.add_argument("--repeat", type=int, default=None,
+                    help="run both libraries this many times, alternating, and report "
+                         "medians (default 3, 1 with --quick): single runs on a small "
+                         "VM vary by 2x")
     args = ap.parse_args(argv)
     cfg = QUICK if args.quick else Config()
     limit = args.timeout or (45.0 if args.quick else 80.0)
     cfg = dataclasses.replace(cfg, serve_timeout_s=limit)
+    repeat = max(1, args.repeat or (1 if args.quick else 3))
     ports: set[int] = set()
-    results: dict[str, dict[str, Any]] = {}
-    for lib in LIBRARIES:
-        port = free_port(ports)
-        ports.add(port)
-        print(f"running {lib} (MASTER_PORT={port}) ...", file=sys.stderr, flush=True)
-        results[lib] = run_library(lib, port, cfg, limit)
-        results[lib]["cold_import_s"], results[lib]["cold_import_error"] = cold_import_s(
-            lib, cfg.import_runs)
-        print(f"  {lib} done in {results[lib]['wall_s']:.1f} s", file=sys.stderr, flush=True)
-    rows = build_rows(results["nbrpc"], results["torch"])
+    reps: list[list[Row]] = []
+    issues: list[str] = []
+    for rep in range(repeat):
+        results: dict[str, dict[str, Any]] = {}
+        for lib in LIBRARIES:
+            port = free_port(ports)
+            ports.add(port)
+            print(f"[{rep + 1}/{repeat}] running {lib} (MASTER_PORT={port}) ...",
+                  file=sys.stderr, flush=True)
+            results[lib] = run_library(lib, port, cfg, limit)
+            results[lib]["cold_import_s"], results[lib]["cold_import_error"] = cold_import_s(
+                lib, cfg.import_runs)
+            print(f"  {lib} done in {results[lib]['wall_s']:.1f} s", file=sys.stderr,
+                  flush=True)
+        reps.append(build_rows(results["nbrpc"], results["torch"]))
+        issues += problems(results)
+    rows = merge_repetitions(reps)
     print(describe(cfg, args.quick, args.markdown))
+    print(f"{'- ' if args.markdown else ''}values: median over {repeat} alternating "
+          "repetition(s); ratio range: lowest and highest per-repetition ratio")
     print()
     print(render_markdown(rows) if args.markdown else render_text(rows))
-    issues = problems(results)
     if issues:
         print("\nproblems:")
         print("\n".join(f"- {p}" for p in issues))
