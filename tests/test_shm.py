@@ -60,3 +60,20 @@ def test_segment_names_are_signed() -> None:
     stuffed[2] = b"data where none belongs"
     with pytest.raises(BadMessage):
         unpack(key, stuffed)
+
+
+def test_segments_of_dead_processes_are_swept() -> None:
+    import subprocess
+    import sys
+
+    # a process that creates a segment and dies without cleaning up
+    code = ("import os, sys; from nbrpc.transport import shm; w = shm.ShmWriter(); "
+            "print(w.write(memoryview(bytes(300_000)))); sys.stdout.flush(); os._exit(0)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    name = out.stdout.strip()
+    assert os.path.exists(os.path.join(shm.SHM_DIR, name)), out.stderr
+    mine = shm.ShmWriter()  # starting a writer sweeps the orphans
+    try:
+        assert not os.path.exists(os.path.join(shm.SHM_DIR, name))
+    finally:
+        mine.close()

@@ -50,10 +50,41 @@ def _path(name: str) -> str:
     return os.path.join(SHM_DIR, name)
 
 
+def sweep_orphans() -> list[str]:
+    """Unlink segments whose creating process no longer exists (it was killed
+    before it could clean up). Returns the names removed."""
+    removed = []
+    try:
+        names = os.listdir(SHM_DIR)
+    except OSError:
+        return removed
+    for name in names:
+        base = name.removesuffix(FREE)
+        if not _NAME.match(base):
+            continue
+        pid = int(base.split("-")[1])
+        try:
+            os.kill(pid, 0)
+            continue  # alive (or not ours to judge)
+        except ProcessLookupError:
+            pass
+        except PermissionError:
+            continue
+        try:
+            os.unlink(_path(name))
+            removed.append(name)
+        except OSError:
+            pass
+    if removed:
+        log.info("removed %d shared-memory segment(s) left by dead processes", len(removed))
+    return removed
+
+
 class ShmWriter:
     """Creates and recycles the segments of one transport."""
 
     def __init__(self) -> None:
+        sweep_orphans()
         self._prefix = f"nbrpc-{os.getpid()}-{os.urandom(4).hex()}"
         self._seq = itertools.count()
         self._lock = threading.Lock()
