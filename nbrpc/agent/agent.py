@@ -40,7 +40,7 @@ from ..errors import (
     UnknownWorkerError,
     WorkerGoneError,
 )
-from ..serialize import dumps, loads
+from ..serialize import dumps, loads, parallel_copy
 from ..transport import Envelope, IOLoop
 from .events import EventLog
 from .futures import RpcFuture
@@ -163,7 +163,8 @@ class Agent:
         self.options = opts = options or AgentOptions()
         self._key = key
         self.info = WorkerInfo(name, rank)
-        self.io = IOLoop(key, rank, self._on_message, name=f"nbrpc-io[{name}]")
+        self.io = IOLoop(key, rank, self._on_message, name=f"nbrpc-io[{name}]",
+                         copy=parallel_copy)
         self.address = self.io.bind(opts.host, opts.port)
         self.pool = WorkerPool(opts.num_worker_threads, f"nbrpc-worker[{name}]",
                                self._adopt_thread, self.io.call_later)

@@ -1,5 +1,5 @@
 """Serialization: cloudpickle with out-of-band tensor buffers. Knows nothing of sockets."""
 
-from .pickler import current_context, dumps, loads, register_reducer
+from .pickler import current_context, dumps, loads, parallel_copy, register_reducer
 
-__all__ = ["current_context", "dumps", "loads", "register_reducer"]
+__all__ = ["current_context", "dumps", "loads", "parallel_copy", "register_reducer"]

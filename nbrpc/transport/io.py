@@ -62,6 +62,7 @@ class IOLoop:
         on_bad: Callable[[str], None] | None = None,
         name: str = "nbrpc-io",
         use_shm: bool = True,
+        copy: Callable[[memoryview, memoryview], None] | None = None,
     ) -> None:
         self._key = key
         self.local_id = local_id
@@ -74,7 +75,8 @@ class IOLoop:
         self._router.setsockopt(zmq.RCVHWM, 0)
         self._dealers: dict[int, _Dealer] = {}
         self._same_host: dict[int, bool] = {}
-        self._shm = shm.ShmWriter() if use_shm and shm.available() else None
+        self._shm = (shm.ShmWriter(copy or shm.plain_copy)
+                     if use_shm and shm.available() else None)
         self._dealers_lock = threading.Lock()
         self._addresses: dict[int, str] = {}
         self._queue: deque = deque()

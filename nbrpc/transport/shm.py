@@ -80,11 +80,21 @@ def sweep_orphans() -> list[str]:
     return removed
 
 
-class ShmWriter:
-    """Creates and recycles the segments of one transport."""
+def plain_copy(dst: memoryview, src: memoryview) -> None:
+    dst[:] = src
 
-    def __init__(self) -> None:
+
+class ShmWriter:
+    """Creates and recycles the segments of one transport.
+
+    ``copy(dst, src)`` fills a segment; upper layers may pass a faster one
+    (the agent passes torch's multi-threaded copy: 64 MB in 4.5 ms here
+    instead of 9.5 ms).
+    """
+
+    def __init__(self, copy: Callable[[memoryview, memoryview], None] = plain_copy) -> None:
         sweep_orphans()
+        self._copy = copy
         self._prefix = f"nbrpc-{os.getpid()}-{os.urandom(4).hex()}"
         self._seq = itertools.count()
         self._lock = threading.Lock()
@@ -101,7 +111,11 @@ class ShmWriter:
         fd = os.open(_path(name), os.O_RDWR)
         try:
             with mmap.mmap(fd, n, flags=mmap.MAP_SHARED | _POPULATE) as mm:
-                mm[:] = buf.cast("B")
+                dst = memoryview(mm)
+                try:
+                    self._copy(dst, buf.cast("B"))
+                finally:
+                    dst.release()
         finally:
             os.close(fd)
         return name
