@@ -37,7 +37,7 @@ def test_cancelled_timer_never_fires() -> None:
     try:
         fired = []
         handle = loop.call_later(0.05, fired.append, 1)
-        IOLoop.cancel(handle)
+        loop.cancel(handle)
         done = threading.Event()
         loop.call_later(0.15, done.set)
         assert done.wait(2) and fired == []
@@ -58,5 +58,20 @@ def test_call_soon_runs_on_the_io_thread_and_self_delivery_copies() -> None:
         env = received[0]
         buf[0] = ord("X")  # the delivered copy is not the sender's memory
         assert (env.msg_id, bytes(env.payload), bytes(env.buffers[0])) == (5, b"payload", b"abcd")
+    finally:
+        loop.stop()
+
+
+def test_cancelled_timers_do_not_accumulate() -> None:
+    loop = _loop([])
+    try:
+        oldest = loop.call_later(30, print)  # a call still in flight: it stays on top
+        for _ in range(5000):  # like 5000 answered calls with a 60 s timeout each
+            loop.cancel(loop.call_later(60, print))
+        done = threading.Event()
+        loop.call_later(0.01, done.set)
+        assert done.wait(2)
+        assert poll_for(lambda: len(loop._timers) < 600)
+        loop.cancel(oldest)
     finally:
         loop.stop()

@@ -389,7 +389,7 @@ class Agent:
             log.debug("discarding a late reply %d from rank %d", env.msg_id, env.sender)
             return
         if p.timer is not None:
-            IOLoop.cancel(p.timer)
+            self.io.cancel(p.timer)
         name = self._peer_name(p.peer)
         self.events.add("recv", p.op, name, env.msg_id, len(env.payload),
                         time.perf_counter() - p.started)

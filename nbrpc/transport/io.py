@@ -83,6 +83,7 @@ class IOLoop:
         self._timers: list = []
         self._timer_seq = itertools.count()
         self._timer_lock = threading.Lock()
+        self._cancelled_timers = 0
         self._poll_until = float("inf")  # when the sleeping loop will wake by itself
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
@@ -229,9 +230,14 @@ class IOLoop:
             self._wake()
         return entry
 
-    @staticmethod
-    def cancel(handle: list) -> None:
-        handle[2] = None  # lazily skipped when it reaches the top of the heap
+    def cancel(self, handle: list) -> None:
+        """Cancel a timer. Cancelled entries are skipped when they reach the top,
+        and the heap is rebuilt once most of it is cancelled: a call's 60 s
+        deadline is cancelled long before it is due, and would otherwise stay
+        for 60 s (600k entries at 10k calls/s)."""
+        if handle[2] is not None:
+            handle[2] = None
+            self._cancelled_timers += 1
 
     def _wake(self) -> None:
         try:
@@ -369,9 +375,15 @@ class IOLoop:
         _MAX_SLEEP, so that a far deadline (a call's 60 s) needs no wake-up."""
         timers = self._timers
         with self._timer_lock:
+            if self._cancelled_timers > 256 and 2 * self._cancelled_timers > len(timers):
+                timers[:] = [t for t in timers if t[2] is not None]
+                heapq.heapify(timers)
+                self._cancelled_timers = 0
             while timers and timers[0][2] is None:
                 heapq.heappop(timers)
+                self._cancelled_timers -= 1
             if not timers:
+                self._cancelled_timers = 0
                 return _MAX_SLEEP_MS
             return min(_MAX_SLEEP_MS, max(0, int((timers[0][0] - time.monotonic()) * 1000) + 1))
 
@@ -381,7 +393,10 @@ class IOLoop:
         due = []
         with self._timer_lock:
             while timers and (timers[0][2] is None or timers[0][0] <= now):
-                due.append(heapq.heappop(timers))
+                entry = heapq.heappop(timers)
+                if entry[2] is None:
+                    self._cancelled_timers -= 1
+                due.append(entry)
         for _, _, fn, args in due:
             if fn is not None:
                 try:
