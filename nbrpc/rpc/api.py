@@ -130,7 +130,14 @@ def shutdown(graceful: bool = True, timeout: float = 0) -> None:
     ``graceful=True`` first waits until no call is outstanding anywhere in
     the group (every worker calls shutdown). ``timeout`` bounds that wait
     (0: the RPC timeout, 60 s by default); past it the agent stops anyway
-    and the timeout is raised.
+    and the timeout is raised. Afterwards ``init_rpc`` may be called again
+    in the same process; a second ``shutdown()`` does nothing.
+
+    >>> opts = _free_port_options()
+    >>> init_rpc("a", rank=0, world_size=1, rpc_backend_options=opts)
+    >>> shutdown()
+    >>> init_rpc("a", rank=0, world_size=1, rpc_backend_options=opts)  # same port
+    >>> shutdown(); shutdown()
     """
     agent = _Default.agent
     if agent is None:
@@ -148,20 +155,48 @@ def rpc_async(to: Any, func: Callable, args: tuple | None = None,
               kwargs: dict | None = None, timeout: float = UNSET_RPC_TIMEOUT) -> RpcFuture:
     """Run ``func(*args, **kwargs)`` on ``to`` (name, rank or WorkerInfo); returns a
     ``torch.futures.Future`` of its result. ``timeout`` in seconds: -1 uses the
-    agent's default, 0 means none."""
+    agent's default, 0 means none.
+
+    >>> import torch
+    >>> init_rpc("a", rank=0, world_size=1, rpc_backend_options=_free_port_options())
+    >>> futs = [rpc_async("a", torch.mul, args=(torch.ones(2), k)) for k in (2, 3)]
+    >>> [f.value().tolist() for f in torch.futures.wait_all(futs) and futs]
+    [[2.0, 2.0], [3.0, 3.0]]
+    >>> rpc_async("a", pow, args=(2, 5)).then(lambda f: f.value() + 1).wait()
+    33
+    >>> shutdown()
+    """
     return current_agent("rpc_async").rpc_async(to, func, args, kwargs, timeout)
 
 
 def rpc_sync(to: Any, func: Callable, args: tuple | None = None,
              kwargs: dict | None = None, timeout: float = UNSET_RPC_TIMEOUT) -> Any:
     """Run ``func(*args, **kwargs)`` on ``to`` and return its result (blocks,
-    interruptibly). Remote exceptions re-raise here with their original type."""
+    interruptibly). Remote exceptions re-raise here with their original type.
+
+    >>> init_rpc("a", rank=0, world_size=1, rpc_backend_options=_free_port_options())
+    >>> rpc_sync("a", divmod, args=(17, 5))
+    (3, 2)
+    >>> try:  # by rank; the remote ValueError comes back as itself
+    ...     rpc_sync(0, int, args=("x",))
+    ... except ValueError as e:
+    ...     print(type(e).__name__, "from", e.remote_worker)
+    ValueError from a
+    >>> shutdown()
+    """
     return current_agent("rpc_sync").rpc_async(to, func, args, kwargs, timeout).wait()
 
 
 def remote(to: Any, func: Callable, args: tuple | None = None,
            kwargs: dict | None = None, timeout: float = UNSET_RPC_TIMEOUT) -> RRef:
-    """Create ``func(*args, **kwargs)`` on ``to`` and return an RRef to it at once."""
+    """Create ``func(*args, **kwargs)`` on ``to`` and return an RRef to it at once.
+
+    >>> init_rpc("a", rank=0, world_size=1, rpc_backend_options=_free_port_options())
+    >>> counts = remote("a", dict, kwargs={"x": 1})
+    >>> counts.rpc_sync().get("x"), counts.owner_name()
+    (1, 'a')
+    >>> shutdown()
+    """
     if not callable(func):
         raise TypeError(f"func must be callable, got {type(func).__name__}")
     agent = current_agent("remote")
@@ -169,7 +204,13 @@ def remote(to: Any, func: Callable, args: tuple | None = None,
 
 
 def get_worker_info(worker_name: str | None = None) -> WorkerInfo:
-    """This worker's WorkerInfo, or the named worker's."""
+    """This worker's WorkerInfo, or the named worker's.
+
+    >>> init_rpc("a", rank=0, world_size=1, rpc_backend_options=_free_port_options())
+    >>> get_worker_info(), get_worker_info("a").id, get_rpc_timeout()
+    (WorkerInfo(id=0, name=a), 0, 60.0)
+    >>> shutdown()
+    """
     agent = current_agent("get_worker_info")
     if worker_name is None:
         return agent.info
