@@ -403,3 +403,33 @@ def test_proxy_right_after_remote_never_overtakes_creation(trio) -> None:
         assert r2.rpc_async().incr(2).wait() == i + 2
         r3 = remote(a, "b", Counter, (SlowToUnpickle(i),), {}, -1)
         assert r3.remote().incr(3).to_here() == i + 3
+
+
+def test_graceful_shutdown_is_bounded_and_says_so() -> None:
+    with local_group(["p", "q"]) as (p, q):
+        fut = p.rpc_async("q", sleep_then, (3.0, 1))
+        t0 = time.monotonic()
+        with pytest.raises(RpcTimeoutError, match=r"outstanding call\(s\).*\(0.5 s\)"):
+            p.shutdown(timeout=0.5)
+        assert time.monotonic() - t0 < 3.0
+        assert p.state == "stopped"  # stopped anyway: a re-init is possible
+        with pytest.raises(ShutdownError):
+            fut.wait()
+        q.shutdown(graceful=False)
+
+
+def test_failed_send_leaves_no_pending_call_and_shm_failure_falls_back(trio, monkeypatch) -> None:
+    a, _, _ = trio
+
+    def broken(*args, **kwargs):
+        raise OSError("no space left on device")
+
+    if a.io._shm is not None:  # shared memory failing: the socket carries the tensor
+        monkeypatch.setattr(a.io._shm, "write", broken)
+        x = torch.randn(1 << 20)
+        assert torch.equal(a.rpc_async("b", torch.clone, (x,)).wait(), x)
+    monkeypatch.setattr(a.io, "send_frames", broken)
+    sent = a.sent
+    with pytest.raises(OSError):
+        a.rpc_async("b", add, (1, 1))
+    assert a.sent == sent and not a._pending  # graceful shutdown will not wait for it

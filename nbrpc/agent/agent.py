@@ -23,7 +23,7 @@ import threading
 import time
 import traceback
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import cloudpickle
@@ -133,7 +133,6 @@ class AgentOptions:
     host: str = "127.0.0.1"
     port: int = 0
     event_log_size: int = 10_000
-    extra: dict = field(default_factory=dict)
 
 
 class Agent:
@@ -245,11 +244,11 @@ class Agent:
             self.state = "stopping"
             try:
                 if self.world_size is None:
-                    self._wait_local_idle(deadline)
+                    self._wait_local_idle(deadline, limit)
                     if self.rank != 0:
                         self._send_control(0, Leave(self.rank))
                 else:
-                    self._drain_group(deadline)
+                    self._drain_group(deadline, limit)
             except RpcTimeoutError as e:
                 error = e
         self._stop_local()
@@ -271,17 +270,16 @@ class Agent:
         if _Default.agent is self:
             _Default.agent = None
 
-    def _wait_local_idle(self, deadline: float) -> None:
+    def _wait_local_idle(self, deadline: float, limit: float) -> None:
         while self._pending:
             if time.monotonic() > deadline:
                 raise RpcTimeoutError(
-                    f"shutdown waiting for {len(self._pending)} outstanding call(s)",
-                    deadline - time.monotonic())
+                    f"shutdown waiting for {len(self._pending)} outstanding call(s)", limit)
             time.sleep(0.002)
 
-    def _drain_group(self, deadline: float) -> None:
-        for rnd in itertools.count():
-            self._wait_local_idle(deadline)
+    def _drain_group(self, deadline: float, limit: float) -> None:
+        for rnd in itertools.count():  # bounded by the deadline
+            self._wait_local_idle(deadline, limit)
             done = threading.Event()
             self._verdicts[rnd] = done
             with self._lock:
@@ -289,7 +287,7 @@ class Agent:
             self._send_control(0, report)
             if not done.wait(max(0.0, deadline - time.monotonic())):
                 raise RpcTimeoutError("graceful shutdown (waiting for the other workers)",
-                                      self.options.rpc_timeout)
+                                      limit)
             if self._verdicts.pop(rnd) is True:
                 return
 
@@ -366,7 +364,15 @@ class Agent:
             p.timer = self.io.call_later(timeout, self._expire, mid, timeout)
         with self._lock:
             self.sent += 1
-        nbytes = self.io.send(peer, REQUEST, mid, payload, buffers)
+        try:
+            nbytes = self.io.send(peer, REQUEST, mid, payload, buffers)
+        except BaseException:  # nothing left: no pending entry, no count, no timer
+            self._pending.pop(mid, None)
+            if p.timer is not None:
+                self.io.cancel(p.timer)
+            with self._lock:
+                self.sent -= 1
+            raise
         self.events.add("send", msg.op, self._peer_name(peer), mid, nbytes)
         return fut
 
@@ -383,10 +389,11 @@ class Agent:
         p.future.set_exception(RpcTimeoutError(f"RPC {p.op!r}", timeout, worker=name))
 
     def _complete(self, env: Envelope) -> None:
-        p = self._pending.pop(env.msg_id, None)
-        if p is None:
+        p = self._pending.get(env.msg_id)
+        if p is None or p.peer != env.sender or self._pending.pop(env.msg_id, None) is None:
             self.late_replies += 1
-            log.debug("discarding a late reply %d from rank %d", env.msg_id, env.sender)
+            log.debug("discarding a late or stray reply %d from rank %d", env.msg_id,
+                      env.sender)
             return
         if p.timer is not None:
             self.io.cancel(p.timer)

@@ -153,7 +153,12 @@ class IOLoop:
         m = memoryview(b)
         if m.nbytes < shm.MIN_BYTES:
             return b
-        return ShmRef(self._shm.write(m), m.nbytes)
+        try:
+            return ShmRef(self._shm.write(m), m.nbytes)
+        except OSError as e:  # /dev/shm full or unwritable: the socket still works
+            log.warning("shared memory unavailable (%s); sending %d bytes by socket",
+                        e, m.nbytes)
+            return b
 
     def _is_local(self, peer: int) -> bool:
         """Is ``peer`` on this host (loopback, or our own interface)?"""
