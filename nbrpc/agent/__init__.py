@@ -4,13 +4,11 @@ from .agent import (
     Agent,
     AgentOptions,
     Deferred,
-    check_future,
     current_agent,
-    is_async,
-    mark_async,
     register_extension,
     set_default_agent,
 )
+from .asyncfn import check_future, is_async, mark_async
 from .futures import RpcFuture
 from .group import WorkerInfo
 

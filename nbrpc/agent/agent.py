@@ -21,18 +21,14 @@ import itertools
 import logging
 import threading
 import time
-import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import cloudpickle
 import torch
 
 from ..errors import (
     NotInitializedError,
-    RemoteError,
-    RemoteTraceback,
     RendezvousError,
     RpcTimeoutError,
     SerializationError,
@@ -42,6 +38,7 @@ from ..errors import (
 )
 from ..serialize import dumps, loads, parallel_copy
 from ..transport import Envelope, IOLoop
+from .asyncfn import check_future, is_async
 from .events import EventLog
 from .futures import RpcFuture
 from .group import Coordinator, WorkerInfo
@@ -62,27 +59,12 @@ from .messages import (
     Ok,
 )
 from .pool import WorkerPool
+from .remote_errors import pack_error, rebuild_error
 
 log = logging.getLogger(__name__)
 
 _local = threading.local()
 _EXTENSIONS: list[Callable[[Agent], None]] = []
-
-# Set on a function whose RPC answer is the future it returns (the same
-# attribute as PyTorch's @async_execution, so either decorator works).
-ASYNC_ATTR = "_wrapped_async_rpc_function"
-
-
-def is_async(fn: Any) -> bool:
-    """Was ``fn`` (or the function of bound method ``fn``) marked @async_execution?"""
-    return getattr(getattr(fn, "__func__", fn), ASYNC_ATTR, None) is not None
-
-
-def mark_async(fn: Callable, original: Callable | None = None) -> Callable:
-    """Mark ``fn`` as returning a future that is the call's answer."""
-    setattr(fn, ASYNC_ATTR, original or fn)
-    return fn
-
 
 def register_extension(install: Callable[[Agent], None]) -> None:
     """Run ``install(agent)`` for every agent created from now on.
@@ -411,7 +393,7 @@ class Agent:
             p.future.set_result(reply.value)
         else:
             self.remote_errors += 1
-            p.future.set_exception(_rebuild_error(reply))
+            p.future.set_exception(rebuild_error(reply))
 
     # -- calls: callee side --------------------------------------------------
     def _on_message(self, env: Envelope) -> None:
@@ -464,12 +446,7 @@ class Agent:
                         time.perf_counter() - started)
 
     def _error(self, e: BaseException) -> Err:
-        tb = "".join(traceback.format_exception(type(e), e, e.__traceback__))
-        try:
-            exc_pickle = cloudpickle.dumps(e) if isinstance(e, Exception) else None
-        except Exception:
-            exc_pickle = None
-        return Err(self.name, f"{type(e).__module__}.{type(e).__qualname__}", str(e), tb, exc_pickle)
+        return pack_error(e, self.name)
 
     def _handle_call(self, msg: Call, sender: int) -> Any:
         fn = msg.fn
@@ -563,35 +540,6 @@ class Agent:
         return f"<nbrpc Agent {self.name!r} rank={self.rank} {self.state} at {self.address}>"
 
 
-def _rebuild_error(err: Err) -> BaseException:
-    exc: Any = None
-    if err.exc_pickle is not None:
-        try:
-            exc = cloudpickle.loads(err.exc_pickle)
-        except Exception:
-            exc = None
-    if not isinstance(exc, Exception):
-        return RemoteError(err.worker, err.type_name, err.message, err.traceback)
-    exc.__cause__ = RemoteTraceback(f'\n"""\n{err.traceback.rstrip()}\n"""')
-    try:
-        exc.remote_worker = err.worker
-        exc.remote_traceback = err.traceback
-    except Exception:
-        pass
-    if hasattr(exc, "add_note"):
-        exc.add_note(f"(raised on worker {err.worker!r}; its traceback is shown above)")
-    return exc
-
-
-def check_future(fn: Any, result: Any) -> torch.futures.Future:
-    """The future an @async_execution function returned, or a clear TypeError."""
-    if not isinstance(result, torch._C.Future):
-        raise TypeError(
-            f"{_qualname(fn)} is decorated with @async_execution, so it must return "
-            f"a torch.futures.Future; it returned {type(result).__name__}.")
-    return result
-
-
 def _check_name(name: Any) -> None:
     if not isinstance(name, str) or not name:
         raise ValueError(f"a worker name must be a non-empty string, got {name!r}")
@@ -599,7 +547,3 @@ def _check_name(name: Any) -> None:
         raise ValueError(
             f"worker name {name!r} may contain only letters, digits and _ - . : "
             "(at most 128 characters)")
-
-
-def _qualname(fn: Any) -> str:
-    return getattr(fn, "__qualname__", None) or repr(fn)

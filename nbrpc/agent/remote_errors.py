@@ -1,0 +1,50 @@
+"""How a failure on the callee travels back and is raised again on the caller.
+
+The callee sends an :class:`~nbrpc.agent.messages.Err`: the exception pickled
+on its own (so that a type the caller cannot import does not spoil the whole
+answer), its type name, message and traceback text. The caller raises the
+original exception, with the remote traceback as its ``__cause__`` and
+``remote_worker`` / ``remote_traceback`` attributes, or a
+:class:`~nbrpc.errors.RemoteError` when the type cannot be rebuilt there.
+"""
+
+from __future__ import annotations
+
+import traceback
+from typing import Any
+
+import cloudpickle
+
+from ..errors import RemoteError, RemoteTraceback
+from .messages import Err
+
+
+def pack_error(e: BaseException, worker: str) -> Err:
+    """The message that carries ``e`` back to the caller."""
+    tb = "".join(traceback.format_exception(type(e), e, e.__traceback__))
+    try:
+        exc_pickle = cloudpickle.dumps(e) if isinstance(e, Exception) else None
+    except Exception:
+        exc_pickle = None
+    return Err(worker, f"{type(e).__module__}.{type(e).__qualname__}", str(e), tb, exc_pickle)
+
+
+def rebuild_error(err: Err) -> BaseException:
+    """The exception to raise on the caller for ``err``."""
+    exc: Any = None
+    if err.exc_pickle is not None:
+        try:
+            exc = cloudpickle.loads(err.exc_pickle)
+        except Exception:
+            exc = None
+    if not isinstance(exc, Exception):
+        return RemoteError(err.worker, err.type_name, err.message, err.traceback)
+    exc.__cause__ = RemoteTraceback(f'\n"""\n{err.traceback.rstrip()}\n"""')
+    try:
+        exc.remote_worker = err.worker
+        exc.remote_traceback = err.traceback
+    except Exception:
+        pass
+    if hasattr(exc, "add_note"):
+        exc.add_note(f"(raised on worker {err.worker!r}; its traceback is shown above)")
+    return exc
