@@ -428,8 +428,28 @@ def test_failed_send_leaves_no_pending_call_and_shm_failure_falls_back(trio, mon
         monkeypatch.setattr(a.io._shm, "write", broken)
         x = torch.randn(1 << 20)
         assert torch.equal(a.rpc_async("b", torch.clone, (x,)).wait(), x)
-    monkeypatch.setattr(a.io, "send_frames", broken)
+    monkeypatch.setattr(a.io, "_send_frames", broken)
     sent = a.sent
     with pytest.raises(OSError):
         a.rpc_async("b", add, (1, 1))
     assert a.sent == sent and not a._pending  # graceful shutdown will not wait for it
+
+
+def test_a_signed_but_broken_message_does_not_stop_the_agent(trio) -> None:
+    """A message that passes authentication but whose handling fails on the I/O
+    thread (here a control payload that does not unpickle) is dropped alone."""
+    from nbrpc.agent.messages import CONTROL
+    from nbrpc.transport import pack
+
+    a, b, _ = trio
+    s = zmq.Context.instance().socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    s.connect(b.address)
+    try:
+        before = b.io.recv_msgs
+        s.send_multipart(pack(b._key, CONTROL, 0, 0, b"\x80\x05not a pickle"))
+        assert poll_for(lambda: b.io.recv_msgs == before + 1)
+    finally:
+        s.close()
+    assert b.io._thread.is_alive()
+    assert a.rpc_async("b", add, (20, 22)).wait() == 42

@@ -1,4 +1,4 @@
-"""The I/O thread: the one owner of an agent's zmq sockets.
+"""An agent's sockets: the I/O thread that receives, and the senders' DEALERs.
 
 One ROUTER socket is bound per agent; every message *to* this agent arrives
 there. Every message *from* this agent leaves through a DEALER socket, one per
@@ -41,7 +41,7 @@ from .frames import FLAG_SHM, BadMessage, Envelope, ShmRef, pack, unpack
 
 log = logging.getLogger(__name__)
 
-_RECV_BATCH = 256  # messages read per wake-up before the outbox is served again
+_RECV_BATCH = 256  # messages read per wake-up before call_soon work is served again
 _LINGER_MS = 2000  # how long close() lets queued frames drain
 _MAX_SLEEP_MS = 500  # the loop wakes at least this often to look at new timers
 
@@ -50,8 +50,8 @@ class IOLoop:
     """Owns one bound ROUTER socket and the DEALER sockets to peers.
 
     ``on_message(envelope)`` runs on the I/O thread for every verified
-    message; it must not block. ``on_bad(reason)`` is told of every message
-    dropped for a failed signature.
+    message; it must not block. An exception from it is logged and drops that
+    message only: nothing a message does can stop the loop.
     """
 
     def __init__(
@@ -59,15 +59,12 @@ class IOLoop:
         key: bytes,
         local_id: int,
         on_message: Callable[[Envelope], None],
-        on_bad: Callable[[str], None] | None = None,
         name: str = "nbrpc-io",
-        use_shm: bool = True,
         copy: Callable[[memoryview, memoryview], None] | None = None,
     ) -> None:
         self._key = key
         self.local_id = local_id
         self._on_message = on_message
-        self._on_bad = on_bad or (lambda reason: None)
         self._name = name
         self._ctx = zmq.Context()
         self._router = self._ctx.socket(zmq.ROUTER)
@@ -75,8 +72,7 @@ class IOLoop:
         self._router.setsockopt(zmq.RCVHWM, 0)
         self._dealers: dict[int, _Dealer] = {}
         self._same_host: dict[int, bool] = {}
-        self._shm = (shm.ShmWriter(copy or shm.plain_copy)
-                     if use_shm and shm.available() else None)
+        self._shm = shm.ShmWriter(copy or shm.plain_copy) if shm.available() else None
         self._dealers_lock = threading.Lock()
         self._addresses: dict[int, str] = {}
         self._queue: deque = deque()
@@ -89,13 +85,15 @@ class IOLoop:
         os.set_blocking(self._wake_r, False)
         self._sleeping = False
         self._stopping = False
+        self._closed = False
         self._thread: threading.Thread | None = None
         self.address: str | None = None
         self.thread_ident: int | None = None
-        # counters, written by the I/O thread only
-        self.sent_msgs = self.sent_bytes = 0
+        # receive counters: written by the I/O thread only (send counters live
+        # on each peer's _Dealer, under its lock; see sent_msgs/sent_bytes)
         self.recv_msgs = self.recv_bytes = 0
         self.dropped_bad = 0
+        self._sent_to_self = [0, 0]  # messages, bytes
 
     # -- set-up ------------------------------------------------------------
     def bind(self, host: str = "127.0.0.1", port: int = 0) -> str:
@@ -127,10 +125,15 @@ class IOLoop:
         self._addresses.pop(peer, None)
         self.call_soon(self._drop_dealer, peer)
 
-    # -- thread-safe hand-off ----------------------------------------------
-    def in_io_thread(self) -> bool:
-        return threading.get_ident() == self.thread_ident
+    @property
+    def sent_msgs(self) -> int:
+        return self._sent_to_self[0] + sum(d.sent_msgs for d in list(self._dealers.values()))
 
+    @property
+    def sent_bytes(self) -> int:
+        return self._sent_to_self[1] + sum(d.sent_bytes for d in list(self._dealers.values()))
+
+    # -- thread-safe hand-off ----------------------------------------------
     def send(self, peer: int, kind: int, msg_id: int, payload: bytes,
              buffers: list = ()) -> int:
         """Sign and send one message to ``peer`` (safe from any thread; never
@@ -146,8 +149,9 @@ class IOLoop:
                        if type(b) is not ShmRef and memoryview(b).nbytes < zmq.COPY_THRESHOLD
                        else b for b in buffers]
         frames = pack(self._key, kind, self.local_id, msg_id, payload, buffers)
-        self.send_frames(peer, frames)
-        return sum(memoryview(f).nbytes for f in frames)
+        nbytes = sum(memoryview(f).nbytes for f in frames)
+        self._send_frames(peer, frames, nbytes)
+        return nbytes
 
     def _to_shm(self, b: Any) -> Any:
         m = memoryview(b)
@@ -171,9 +175,10 @@ class IOLoop:
             self._same_host[peer] = local
         return local
 
-    def send_frames(self, peer: int, frames: list) -> None:
-        """Send already signed frames to ``peer``."""
+    def _send_frames(self, peer: int, frames: list, nbytes: int) -> None:
         if peer == self.local_id:  # to ourselves: no socket, but a real copy
+            self._sent_to_self[0] += 1
+            self._sent_to_self[1] += nbytes
             self.call_soon(self._deliver, _copy_frames(frames))
             return
         dealer = self._dealers.get(peer) or self._open_dealer(peer)
@@ -182,19 +187,19 @@ class IOLoop:
         # Combining: whoever holds the lock sends everything queued; a thread
         # that finds it taken leaves its frames and returns, never sleeps.
         queue, lock = dealer.queue, dealer.lock
-        queue.append(frames)
+        queue.append((frames, nbytes))
         while queue:
             if not lock.acquire(blocking=False):
                 return  # the holder re-checks the queue after releasing
             try:
                 sock = dealer.sock
                 while queue:
-                    out = queue.popleft()
+                    out, size = queue.popleft()
                     if sock.closed:
                         continue
                     sock.send_multipart(out, copy=False)
-                    self.sent_msgs += 1
-                    self.sent_bytes += sum(memoryview(f).nbytes for f in out)
+                    dealer.sent_msgs += 1
+                    dealer.sent_bytes += size
             finally:
                 lock.release()
 
@@ -265,6 +270,9 @@ class IOLoop:
         self._stopping = True
 
     def _close(self) -> None:
+        if self._closed:  # the pipe's fds may belong to someone else by now
+            return
+        self._closed = True
         if self._shm is not None:
             self._shm.close()
         with self._dealers_lock:
@@ -354,7 +362,6 @@ class IOLoop:
         except BadMessage as e:
             self.dropped_bad += 1
             log.warning("dropped a message that failed authentication (%s)", e)
-            self._on_bad(str(e))
             return
         if env.flags & FLAG_SHM:
             try:
@@ -366,7 +373,11 @@ class IOLoop:
                 return
         self.recv_msgs += 1
         self.recv_bytes += env.payload.nbytes + sum(memoryview(b).nbytes for b in env.buffers)
-        self._on_message(env)
+        try:
+            self._on_message(env)
+        except Exception:
+            log.exception("dropped a message of kind %d from %d: its handler failed",
+                          env.kind, env.sender)
 
     def _release(self, give_back: Callable[[], None]) -> None:
         """A received shared-memory buffer was freed: hand it back, off the GC path."""
@@ -413,12 +424,13 @@ class IOLoop:
 class _Dealer:
     """A peer's outgoing socket, its lock and the frames waiting for the lock."""
 
-    __slots__ = ("sock", "lock", "queue")
+    __slots__ = ("sock", "lock", "queue", "sent_msgs", "sent_bytes")
 
     def __init__(self, sock: zmq.Socket) -> None:
         self.sock = sock
         self.lock = threading.Lock()
-        self.queue: deque = deque()
+        self.queue: deque = deque()  # (frames, nbytes)
+        self.sent_msgs = self.sent_bytes = 0  # under lock
 
 
 def _copy_frames(frames: list) -> list:
