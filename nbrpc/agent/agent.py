@@ -5,10 +5,11 @@ nothing here is a module global except the thread-local "current agent".
 
 Threads of one agent::
 
-    caller threads ──pack+sign──▶ IOLoop deque ──▶ I/O thread ──DEALER──▶ peer
+    caller thread ──pickle, sign──▶ peer's DEALER (under its lock) ──▶ peer
     peer ──▶ ROUTER ──▶ I/O thread ─┬─ RESPONSE: unpickle, complete the future
                                     ├─ CONTROL:  membership / shutdown state
                                     └─ REQUEST:  worker pool ─▶ handler ─▶ reply
+                                                 (the worker sends the reply itself)
 
 A REQUEST payload names its handler by ``op``. ``call`` is built in; upper
 layers install more through :func:`register_extension` (the RRef layer adds
@@ -22,6 +23,8 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future as Verdict
+from concurrent.futures import TimeoutError as VerdictTimeout
 from dataclasses import dataclass
 from typing import Any
 
@@ -49,7 +52,6 @@ from .messages import (
     Call,
     DrainReport,
     DrainVerdict,
-    Err,
     Join,
     Leave,
     Member,
@@ -161,7 +163,7 @@ class Agent:
         self._coordinator = Coordinator(world_size) if rank == 0 else None
         self._joined = threading.Event()
         self._join_error: str | None = None
-        self._verdicts: dict[int, threading.Event | bool] = {}
+        self._verdicts: dict[int, Verdict] = {}  # shutdown round -> "done?"
         self._lock = threading.Lock()
         self.sent = 0  # requests sent (under _lock)
         self.served = 0  # requests answered (under _lock)
@@ -172,8 +174,9 @@ class Agent:
     # -- lifecycle -----------------------------------------------------------
     def start(self, coordinator_address: str | None, timeout: float) -> None:
         """Start the threads and join the group; returns once members are known."""
+        timeout = timeout if timeout > 0 else 60.0
         self.begin(coordinator_address)
-        if not self.wait_joined(timeout if timeout > 0 else 60.0):
+        if not self.wait_joined(timeout):
             self.fail_join(timeout)
 
     def begin(self, coordinator_address: str | None) -> None:
@@ -262,15 +265,18 @@ class Agent:
     def _drain_group(self, deadline: float, limit: float) -> None:
         for rnd in itertools.count():  # bounded by the deadline
             self._wait_local_idle(deadline, limit)
-            done = threading.Event()
-            self._verdicts[rnd] = done
+            verdict = self._verdicts[rnd] = Verdict()
             with self._lock:
                 report = DrainReport(rnd, len(self._pending), self.sent, self.served)
             self._send_control(0, report)
-            if not done.wait(max(0.0, deadline - time.monotonic())):
+            try:
+                done = verdict.result(timeout=max(0.0, deadline - time.monotonic()))
+            except VerdictTimeout:
                 raise RpcTimeoutError("graceful shutdown (waiting for the other workers)",
-                                      limit)
-            if self._verdicts.pop(rnd) is True:
+                                      limit) from None
+            finally:
+                del self._verdicts[rnd]
+            if done:
                 return
 
     def _adopt_thread(self) -> None:
@@ -418,7 +424,7 @@ class Agent:
                 raise SerializationError(f"no handler for request op {op!r} on {self.name!r}")
             result = handler(msg, env.sender)
         except BaseException as e:
-            self._reply(env, self._error(e), op, started)
+            self._reply(env, pack_error(e, self.name), op, started)
             return
         if type(result) is Deferred:
             result.future.add_done_callback(
@@ -430,23 +436,20 @@ class Agent:
         try:
             reply: Any = Ok(f.value())
         except BaseException as e:
-            reply = self._error(e)
+            reply = pack_error(e, self.name)
         self._reply(env, reply, op, started)
 
     def _reply(self, env: Envelope, reply: Any, op: str, started: float) -> None:
         try:
             payload, buffers = dumps(reply, self)
         except SerializationError as e:
-            payload, buffers = dumps(self._error(e), self)
+            payload, buffers = dumps(pack_error(e, self.name), self)
         nbytes = self.io.send(env.sender, RESPONSE, env.msg_id, payload, buffers)
         with self._lock:
             self.served += 1
         self.events.add("serve" if type(reply) is Ok else "serve-error", op,
                         self._peer_name(env.sender), env.msg_id, nbytes,
                         time.perf_counter() - started)
-
-    def _error(self, e: BaseException) -> Err:
-        return pack_error(e, self.name)
 
     def _handle_call(self, msg: Call, sender: int) -> Any:
         fn = msg.fn
@@ -473,10 +476,9 @@ class Agent:
         elif t is MemberLeft:
             self._remove_member(msg.rank)
         elif t is DrainVerdict:
-            ev = self._verdicts.get(msg.round)
-            if isinstance(ev, threading.Event):
-                self._verdicts[msg.round] = msg.done
-                ev.set()
+            verdict = self._verdicts.get(msg.round)
+            if verdict is not None and not verdict.done():
+                verdict.set_result(msg.done)
         elif self._coordinator is None:
             log.warning("rank %d sent %s to a non-coordinator", env.sender, t.__name__)
         elif t is Join:
