@@ -453,3 +453,16 @@ def test_a_signed_but_broken_message_does_not_stop_the_agent(trio) -> None:
         s.close()
     assert b.io._thread.is_alive()
     assert a.rpc_async("b", add, (20, 22)).wait() == 42
+
+
+def test_remote_to_self_dropped_before_creation_does_not_leak(trio) -> None:
+    """The caller is the owner and drops its RRef while the value is still being
+    created: the value must not be stored with nobody left to free it."""
+    a, _, _ = trio
+    from nbrpc.rref import remote
+
+    for i in range(5):
+        remote(a, "a", add, (SlowToUnpickle(i),), {}, -1)  # dropped at once
+    gc.collect()
+    assert poll_for(lambda: a.snapshot()["counters"]["in_flight"] == 0, timeout=5)
+    assert a.ext["rref"].owned.entries == {}

@@ -97,7 +97,13 @@ class RRefContext:
         self.users: dict[ForkId, weakref.ref] = {}
 
     def handle_remote(self, msg: Remote, sender: int) -> None:
-        entry = self.owned.create(msg.rref_id, msg.site, fork=msg.fork_id)
+        if msg.fork_id is None:  # the caller is the owner: its RRef made the entry
+            entry = self.owned.get(msg.rref_id)
+            if entry is None:  # ... and is gone already: run, but keep nothing
+                msg.fn(*msg.args, **msg.kwargs)
+                return None
+        else:
+            entry = self.owned.create(msg.rref_id, msg.site, fork=msg.fork_id)
         try:
             value = msg.fn(*msg.args, **msg.kwargs)
             if is_async(msg.fn):  # the value is what the returned future yields
@@ -121,9 +127,11 @@ class RRefContext:
         if not may_overtake or self.owned.get(rref_id) is not None:
             return self._entry(rref_id).value
         entry = self.owned.await_entry(rref_id)
-        if timeout > 0:
+        if timeout > 0 and not entry.done():
+            io = self.agent.io
             gone = NbrpcError(f"RRef {rref_id} was never created on {self.agent.name!r}")
-            self.agent.io.call_later(timeout, self.owned.expire_waiter, rref_id, entry, gone)
+            expiry = io.call_later(timeout, self.owned.expire_waiter, rref_id, entry, gone)
+            entry.add_done_callback(lambda _f: io.cancel(expiry))
         value: torch.futures.Future = torch.futures.Future()
         entry.add_done_callback(lambda f: _chain(f, value))
         return value
@@ -195,29 +203,27 @@ class RRef(Generic[T]):
     >>> shutdown()
     """
 
-    __slots__ = ("_agent", "_id", "_fork", "_owner", "_site", "_creation", "_error",
-                 "_holder", "__weakref__")
+    __slots__ = ("_agent", "_id", "_fork", "_owner", "_site", "_holder", "__weakref__")
 
     def __init__(self, value: T, type_hint: Any = None) -> None:
         agent = current_agent("RRef(value)")
-        ctx: RRefContext = agent.ext["rref"]
-        self._agent, self._owner, self._fork = agent, agent.rank, None
-        self._id = ctx.owned.new_id()
-        self._site = _creation_site()
-        self._creation = None
-        self._error = None
-        entry = ctx.owned.create(self._id, self._site, owner_ref=True)
-        entry.value.set_result(value)
-        weakref.finalize(self, ctx.owned.release_owner_ref, self._id)
+        self._setup(agent, agent.rank, _creation_site())
+        agent.ext["rref"].owned.get(self._id).value.set_result(value)
 
     @classmethod
     def _new(cls, agent: Agent, owner: int, site: str) -> RRef:
         self = object.__new__(cls)
+        self._setup(agent, owner, site)
+        return self
+
+    def _setup(self, agent: Agent, owner: int, site: str) -> None:
         ctx: RRefContext = agent.ext["rref"]
         self._agent, self._owner, self._site = agent, owner, site
         self._id = ctx.owned.new_id()
-        self._creation = None
-        self._error = None
+        # [the future of the Remote that creates the value]: a list, so the user
+        # finalizer can read it without keeping the RRef alive (a Delete must
+        # not overtake the creation)
+        self._holder: list = [None]
         if owner == agent.rank:
             self._fork = None
             ctx.owned.create(self._id, site, owner_ref=True)
@@ -225,11 +231,22 @@ class RRef(Generic[T]):
         else:
             self._fork = ctx.owned.new_id()
             ctx.users[self._fork] = weakref.ref(self)
-            # the creation future, once known: a delete must not overtake the creation
-            self._holder: list = [None]
             weakref.finalize(self, _release_user, agent, owner, self._id, self._fork,
                              self._holder)
-        return self
+
+    @property
+    def _creation(self) -> Any:
+        return self._holder[0]
+
+    def _creation_failed(self) -> bool:
+        creation = self._holder[0]
+        if creation is None or not creation.done():
+            return False
+        try:
+            creation.value()
+            return False
+        except Exception:
+            return True
 
     # -- identity --------------------------------------------------------------
     def owner(self) -> WorkerInfo:
@@ -245,7 +262,7 @@ class RRef(Generic[T]):
     def confirmed_by_owner(self) -> bool:
         if self.is_owner():
             return True
-        return self._creation is not None and self._creation.done() and self._error is None
+        return self._creation is not None and self._creation.done() and not self._creation_failed()
 
     # -- values ----------------------------------------------------------------
     def local_value(self) -> T:
@@ -285,7 +302,7 @@ class RRef(Generic[T]):
     def __repr__(self) -> str:
         role = "owner" if self.is_owner() else f"user fork {self._fork}"
         state = "confirmed" if self.confirmed_by_owner() else (
-            "failed" if self._error is not None else "pending")
+            "failed" if self._creation_failed() else "pending")
         return f"RRef(id={self._id}, owner={self.owner_name()!r}, {role}, {state})"
 
 
@@ -421,19 +438,5 @@ def remote(agent: Agent, to: Any, fn: Any, args: tuple, kwargs: dict, timeout: f
     owner = agent.resolve(to).rank
     rref = RRef._new(agent, owner, _creation_site())
     msg = Remote(fn, tuple(args), dict(kwargs), rref._id, rref._fork, rref._site)
-    fut = agent.request(owner, msg, timeout)
-    rref._creation = fut
-    if rref._fork is not None:
-        rref._holder[0] = fut
-
-    def _done(f: Any, ref: Any = weakref.ref(rref)) -> None:
-        r = ref()
-        if r is None:
-            return
-        try:
-            f.value()
-        except Exception as e:
-            r._error = e
-
-    fut.add_done_callback(_done)
+    rref._holder[0] = agent.request(owner, msg, timeout)
     return rref
