@@ -34,8 +34,3 @@ def gather(events: int | None = 200, timeout: float = 10.0) -> list[dict[str, An
             for w in agent.worker_infos()]
     return [f.wait() for f in futs]
 
-
-def message_table(snap: dict[str, Any]) -> list[tuple]:
-    """The message events of one snapshot as rows (time, event, op, peer, bytes, ms)."""
-    return [(e["time"], e["event"], e["op"], e["peer"], e["nbytes"],
-             None if e["duration"] is None else e["duration"] * 1e3) for e in snap["events"]]

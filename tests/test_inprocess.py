@@ -466,3 +466,39 @@ def test_remote_to_self_dropped_before_creation_does_not_leak(trio) -> None:
     gc.collect()
     assert poll_for(lambda: a.snapshot()["counters"]["in_flight"] == 0, timeout=5)
     assert a.ext["rref"].owned.entries == {}
+
+
+def test_pool_stop_waits_once_for_all_stuck_threads() -> None:
+    from nbrpc.agent.pool import WorkerPool
+
+    release = threading.Event()
+    pool = WorkerPool(4, "nbrpc-test-pool")
+    for _ in range(4):
+        pool.submit(release.wait, 10)
+    assert poll_for(lambda: pool.size == 4, timeout=5)
+    t0 = time.monotonic()
+    stuck = pool.stop(timeout=0.3)
+    assert len(stuck) == 4 and time.monotonic() - t0 < 1.0  # not 4 x 0.3 s
+    release.set()
+    assert poll_for(lambda: not any(t.is_alive() for t in pool._threads))
+
+
+def test_pool_grows_for_tasks_queued_behind_a_blocked_thread() -> None:
+    """Two tasks arrive together; the first blocks until the second has run. The
+    pool must not count its one idle thread twice (that deadlocked)."""
+    from nbrpc.agent.pool import WorkerPool
+
+    def call_later(delay, fn, *args):
+        t = threading.Timer(delay, fn, args)
+        t.daemon = True
+        t.start()
+
+    second_ran = threading.Event()
+    done = threading.Event()
+    pool = WorkerPool(4, "nbrpc-test-pool", call_later=call_later)
+    try:
+        pool.submit(lambda: second_ran.wait(5) and done.set())
+        pool.submit(second_ran.set)
+        assert done.wait(5)
+    finally:
+        pool.stop(timeout=2)

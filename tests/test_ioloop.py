@@ -21,7 +21,7 @@ def _loop(received: list) -> IOLoop:
 def test_short_timer_added_while_the_loop_sleeps_fires_on_time() -> None:
     loop = _loop([])
     try:
-        time.sleep(0.05)  # the loop is now in its long (bounded) sleep
+        assert poll_for(lambda: loop._sleeping)  # the loop is in its long (bounded) sleep
         for delay in (0.05, 0.01, 0.1):
             fired = threading.Event()
             t0 = time.monotonic()

@@ -11,11 +11,9 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
-
-T = TypeVar("T")
 
 _SLICE = 0.25  # seconds between checks while waiting; bounds interrupt latency
 
@@ -45,9 +43,3 @@ class RpcFuture(torch.futures.Future):
         while not done.acquire(timeout=_SLICE):  # slices keep Ctrl-C prompt
             pass
 
-
-def completed(value: Any) -> RpcFuture:
-    """A future that is already done with ``value``."""
-    f = RpcFuture()
-    f.set_result(value)
-    return f

@@ -1,9 +1,9 @@
 """A pool of up to ``num_worker_threads`` threads that run incoming calls.
 
 Threads start on demand, so a freshly started agent costs little memory.
-A new thread starts when a task arrives and no thread exists, or when a
-task has waited ``GROW_AFTER`` seconds with no thread idle (every thread
-blocked, e.g. in a nested call): a burst of quick calls then stays on a few
+A new thread starts when a task arrives and no thread exists, or when
+tasks have waited ``GROW_AFTER`` seconds outnumbering the idle threads (every
+thread blocked, e.g. in a nested call): a burst of quick calls then stays on a few
 threads instead of waking sixteen that fight over the GIL, while a pool whose
 threads are all blocked still grows to its limit. ``busy`` counts the
 threads running a task right now.
@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -58,7 +59,14 @@ class WorkerPool:
 
     def submit(self, fn: Callable, *args: Any) -> None:
         self._q.put((fn, args))
-        if self._idle or self._stopped or len(self._threads) >= self.max_threads:
+        self._need_more()
+
+    def _need_more(self) -> None:
+        """Called when a task is queued and when an idle thread turns busy: if
+        queued tasks outnumber idle threads, add one (now, or after GROW_AFTER).
+        "Idle" threads may be spoken for by earlier tasks, hence the queue."""
+        if self._q.qsize() <= self._idle or self._stopped or (
+                len(self._threads) >= self.max_threads):
             return
         if not self._threads or self._call_later is None:
             self._grow()
@@ -68,7 +76,7 @@ class WorkerPool:
 
     def _grow_if_stuck(self) -> None:
         self._check_pending = False
-        if self._q.qsize() and not self._idle and not self._stopped:
+        if self._q.qsize() > self._idle and not self._stopped:
             self._grow()
             if len(self._threads) < self.max_threads:
                 self._check_pending = True
@@ -76,7 +84,7 @@ class WorkerPool:
 
     def _grow(self) -> None:
         with self._lock:
-            if self._idle or len(self._threads) >= self.max_threads:
+            if self._q.qsize() <= self._idle or len(self._threads) >= self.max_threads:
                 return
             t = threading.Thread(
                 target=self._work, name=f"{self._name}-{len(self._threads)}", daemon=True
@@ -97,6 +105,7 @@ class WorkerPool:
                 return
             with lock:
                 self._idle -= 1
+            self._need_more()
             fn, args = item
             try:
                 fn(*args)
@@ -106,13 +115,12 @@ class WorkerPool:
                 self._idle += 1
 
     def stop(self, timeout: float = 5.0) -> list[str]:
-        """Ask every thread to finish; returns the names of those still running."""
+        """Ask every thread to finish, waiting ``timeout`` s in all; returns the
+        names of those still running (stuck in user code)."""
         self._stopped = True
         for _ in self._threads:
             self._q.put(_STOP)
-        stuck = []
+        deadline = time.monotonic() + timeout
         for t in self._threads:
-            t.join(timeout)
-            if t.is_alive():
-                stuck.append(t.name)
-        return stuck
+            t.join(max(0.0, deadline - time.monotonic()))
+        return [t.name for t in self._threads if t.is_alive()]

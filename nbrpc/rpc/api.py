@@ -52,8 +52,6 @@ def init_rpc(
         rank = int(os.environ.get("RANK", -1))
     if rank < 0:
         raise ValueError("init_rpc needs rank >= 0 (pass rank=..., or set RANK)")
-    if world_size is None and "WORLD_SIZE" in os.environ and rpc_backend_options is None:
-        world_size = int(os.environ["WORLD_SIZE"])
     threads, timeout, init_method = read_options(rpc_backend_options)
     join_timeout = timeout if timeout > 0 else 60.0
     with _init_lock:
@@ -221,10 +219,6 @@ def get_worker_info(worker_name: str | None = None) -> WorkerInfo:
 def get_rpc_timeout() -> float:
     """The default timeout of this agent's calls, in seconds."""
     return current_agent("get_rpc_timeout").options.rpc_timeout
-
-
-def _get_current_rpc_agent() -> Agent:
-    return current_agent()
 
 
 def _free_port_options() -> Any:
