@@ -407,11 +407,11 @@ def test_proxy_right_after_remote_never_overtakes_creation(trio) -> None:
 
 def test_graceful_shutdown_is_bounded_and_says_so() -> None:
     with local_group(["p", "q"]) as (p, q):
-        fut = p.rpc_async("q", sleep_then, (3.0, 1))
+        fut = p.rpc_async("q", sleep_then, (1.0, 1))
         t0 = time.monotonic()
-        with pytest.raises(RpcTimeoutError, match=r"outstanding call\(s\).*\(0.5 s\)"):
-            p.shutdown(timeout=0.5)
-        assert time.monotonic() - t0 < 3.0
+        with pytest.raises(RpcTimeoutError, match=r"outstanding call\(s\).*\(0.3 s\)"):
+            p.shutdown(timeout=0.3)
+        assert time.monotonic() - t0 < 1.0
         assert p.state == "stopped"  # stopped anyway: a re-init is possible
         with pytest.raises(ShutdownError):
             fut.wait()

@@ -42,7 +42,9 @@ from .frames import FLAG_SHM, BadMessage, Envelope, ShmRef, pack, unpack
 log = logging.getLogger(__name__)
 
 _RECV_BATCH = 256  # messages read per wake-up before call_soon work is served again
-_LINGER_MS = 2000  # how long close() lets queued frames drain
+_LINGER_MS = 500  # how long close() lets queued frames drain: after a graceful stop only
+# final control notes remain (ms on a live link), and a note to a peer already gone
+# would otherwise hold every shutdown for the whole linger
 _MAX_SLEEP_MS = 500  # the loop wakes at least this often to look at new timers
 
 
