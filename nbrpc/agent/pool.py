@@ -1,11 +1,13 @@
 """A pool of up to ``num_worker_threads`` threads that run incoming calls.
 
 Threads start on demand, so a freshly started agent costs little memory.
-A new thread starts when a task arrives and no thread exists, or when
-tasks have waited ``GROW_AFTER`` seconds outnumbering the idle threads (every
-thread blocked, e.g. in a nested call): a burst of quick calls then stays on a few
-threads instead of waking sixteen that fight over the GIL, while a pool whose
-threads are all blocked still grows to its limit. ``busy`` counts the
+A new thread starts when a task arrives and no thread exists, or when,
+``GROW_AFTER`` seconds after queued tasks came to outnumber the idle threads,
+they still do and *no task has finished meanwhile*: the threads are blocked
+(e.g. in nested calls), not just busy. A burst of quick calls thus stays on a
+few threads instead of waking sixteen that fight over the GIL (and each start
+its own OpenMP team for torch: a 64 MB echo took twice as long after such a
+burst), while a pool whose threads are all blocked still grows to its limit. ``busy`` counts the
 threads running a task right now.
 """
 
@@ -44,6 +46,8 @@ class WorkerPool:
         self._stopped = False
         self._call_later = call_later
         self._check_pending = False
+        self._finished = 0  # tasks done, the progress signal for growing
+        self._finished_at_check = 0
 
     @property
     def size(self) -> int:
@@ -71,16 +75,21 @@ class WorkerPool:
         if not self._threads or self._call_later is None:
             self._grow()
         elif not self._check_pending:
-            self._check_pending = True
-            self._call_later(GROW_AFTER, self._grow_if_stuck)
+            self._schedule_check()
+
+    def _schedule_check(self) -> None:
+        self._check_pending = True
+        self._finished_at_check = self._finished
+        self._call_later(GROW_AFTER, self._grow_if_stuck)
 
     def _grow_if_stuck(self) -> None:
         self._check_pending = False
-        if self._q.qsize() > self._idle and not self._stopped:
+        if self._q.qsize() <= self._idle or self._stopped:
+            return
+        if self._finished == self._finished_at_check:  # no progress: blocked
             self._grow()
-            if len(self._threads) < self.max_threads:
-                self._check_pending = True
-                self._call_later(GROW_AFTER, self._grow_if_stuck)
+        if len(self._threads) < self.max_threads:
+            self._schedule_check()
 
     def _grow(self) -> None:
         with self._lock:
@@ -113,6 +122,7 @@ class WorkerPool:
                 log.exception("nbrpc worker task %r failed", fn)
             with lock:
                 self._idle += 1
+                self._finished += 1
 
     def stop(self, timeout: float = 5.0) -> list[str]:
         """Ask every thread to finish, waiting ``timeout`` s in all; returns the
