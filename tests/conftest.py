@@ -15,10 +15,12 @@ from nbrpc.transport import new_key
 
 @contextmanager
 def local_group(names: list[str], threads: int = 4, rpc_timeout: float = 10.0,
-                dynamic: bool = False) -> Iterator[list[Agent]]:
-    """Agents ``names`` (rank = position) in this process, joined as one group."""
+                dynamic: bool = False, **options) -> Iterator[list[Agent]]:
+    """Agents ``names`` (rank = position) in this process, joined as one group;
+    ``options`` are more :class:`AgentOptions` fields."""
     key = new_key()
-    opts = lambda: AgentOptions(num_worker_threads=threads, rpc_timeout=rpc_timeout)  # noqa: E731
+    opts = lambda: AgentOptions(num_worker_threads=threads, rpc_timeout=rpc_timeout,  # noqa: E731
+                                **options)
     ws = None if dynamic else len(names)
     agents = [Agent(n, r, key, world_size=ws, options=opts()) for r, n in enumerate(names)]
     coordinator = agents[0].address

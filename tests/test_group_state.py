@@ -51,10 +51,16 @@ def test_dynamic_group_join_and_leave() -> None:
     assert c.on_leave(2) == []
 
 
+def _report(rnd: int, rank: int, active: int, sent: int, served: int) -> DrainReport:
+    """Two-member group: everything is sent to and served for the other one."""
+    other = 1 - rank
+    return DrainReport(rnd, active, {other: sent}, {other: served})
+
+
 def _round(c: Coordinator, rnd: int, reports: dict[int, tuple[int, int, int]]) -> bool:
     out = []
     for rank, (active, sent, served) in reports.items():
-        out = c.on_drain_report(rank, DrainReport(rnd, active, sent, served))
+        out = c.on_drain_report(rank, _report(rnd, rank, active, sent, served))
     assert all(isinstance(v, DrainVerdict) and v.round == rnd for _, v in out)
     return out[0][1].done
 
@@ -68,8 +74,8 @@ def _static(n: int) -> Coordinator:
 
 def test_drain_needs_two_quiet_rounds_with_equal_sums() -> None:
     c = _static(2)
-    assert c.on_drain_report(0, DrainReport(0, 0, 5, 3)) == []  # waits for everyone
-    assert not c.on_drain_report(1, DrainReport(0, 0, 3, 5))[0][1].done  # first quiet round
+    assert c.on_drain_report(0, _report(0, 0, 0, 5, 3)) == []  # waits for everyone
+    assert not c.on_drain_report(1, _report(0, 1, 0, 3, 5))[0][1].done  # first quiet round
     assert _round(c, 1, {0: (0, 5, 3), 1: (0, 3, 5)})  # unchanged: done
 
 
@@ -79,3 +85,30 @@ def test_drain_continues_while_calls_are_in_flight_or_counts_move() -> None:
     assert not _round(c, 1, {0: (0, 5, 3), 1: (0, 3, 5)})  # quiet, but first quiet round
     assert not _round(c, 2, {0: (0, 6, 3), 1: (0, 3, 6)})  # a call slipped in between
     assert _round(c, 3, {0: (0, 6, 3), 1: (0, 3, 6)})
+
+
+def test_a_dead_member_neither_blocks_a_round_nor_unbalances_the_sums() -> None:
+    c = _static(3)
+    # rank 2 sent a call to rank 0 and died before its answer was counted anywhere
+    c.on_drain_report(0, DrainReport(0, 0, {1: 4}, {1: 4, 2: 1}))
+    c.on_drain_report(1, DrainReport(0, 0, {0: 4}, {0: 4}))
+    out = c.on_leave(2, dead=True)  # round 0 was waiting for rank 2
+    assert (1, MemberLeft(2, True)) in out and (2, MemberLeft(2, True)) in out
+    verdicts = [v for _, v in out if isinstance(v, DrainVerdict)]
+    assert len(verdicts) == 2 and not verdicts[0].done  # quiet, first round
+    assert _round3(c, 1)
+
+
+def _round3(c: Coordinator, rnd: int) -> bool:
+    c.on_drain_report(0, DrainReport(rnd, 0, {1: 4}, {1: 4, 2: 1}))
+    return c.on_drain_report(1, DrainReport(rnd, 0, {0: 4}, {0: 4}))[0][1].done
+
+
+def test_silent_members_expire_once_the_group_is_watched() -> None:
+    c = _static(3)
+    assert c.expired(100.0, 2.0) == []  # not watched before the group formed
+    c.watch_all(10.0)
+    c.heard_from(1, 11.5)
+    c.heard_from(9, 11.5)  # not a member: ignored
+    assert c.expired(12.5, 2.0) == [2]
+    assert c.expired(14.0, 2.0) == [1, 2]

@@ -9,8 +9,9 @@ from .agent import (
     set_default_agent,
 )
 from .asyncfn import check_future, is_async, mark_async
-from .futures import RpcFuture
+from .futures import RpcFuture, detach, fresh, outcome
 from .group import WorkerInfo
 
 __all__ = ["Agent", "AgentOptions", "Deferred", "RpcFuture", "WorkerInfo", "check_future",
-           "current_agent", "is_async", "mark_async", "register_extension", "set_default_agent"]
+           "current_agent", "detach", "fresh", "is_async", "mark_async", "outcome",
+           "register_extension", "set_default_agent"]

@@ -7,9 +7,15 @@ Threads of one agent::
 
     caller thread ──pickle, sign──▶ peer's DEALER (under its lock) ──▶ peer
     peer ──▶ ROUTER ──▶ I/O thread ─┬─ RESPONSE: unpickle, complete the future
-                                    ├─ CONTROL:  membership / shutdown state
+                                    ├─ CONTROL:  membership, heartbeats, shutdown
+                                    ├─ INLINE:   protocol handler ─▶ reply
                                     └─ REQUEST:  worker pool ─▶ handler ─▶ reply
                                                  (the worker sends the reply itself)
+
+Failure detection: every ``heartbeat_interval`` members and the coordinator
+exchange heartbeats; a member silent for ``failure_timeout`` is declared dead,
+its calls fail with :class:`WorkerGoneError`, and upper layers' ``gone_hooks``
+run (the RRef layer releases the forks it held).
 
 A REQUEST payload names its handler by ``op``. ``call`` is built in; upper
 layers install more through :func:`register_extension` (the RRef layer adds
@@ -18,10 +24,12 @@ layers install more through :func:`register_extension` (the RRef layer adds
 
 from __future__ import annotations
 
+import gc
 import itertools
 import logging
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import Future as Verdict
 from concurrent.futures import TimeoutError as VerdictTimeout
@@ -43,15 +51,18 @@ from ..serialize import dumps, loads, parallel_copy
 from ..transport import Envelope, IOLoop
 from .asyncfn import check_future, is_async
 from .events import EventLog
-from .futures import RpcFuture
+from .faults import FaultPlan
+from .futures import RpcFuture, outcome
 from .group import Coordinator, WorkerInfo
 from .messages import (
     CONTROL,
+    INLINE,
     REQUEST,
     RESPONSE,
     Call,
     DrainReport,
     DrainVerdict,
+    Heartbeat,
     Join,
     Leave,
     Member,
@@ -94,6 +105,30 @@ def set_default_agent(agent: Agent | None) -> None:
     _Default.agent = agent
 
 
+class Wire:
+    """What a reducer sees (``nbrpc.serialize.current_context()``) while a
+    message is pickled or unpickled: this agent, the peer at the other end,
+    and ``undo`` callbacks to run if the message is never sent."""
+
+    __slots__ = ("agent", "peer", "undo")
+
+    def __init__(self, agent: Agent, peer: int) -> None:
+        self.agent, self.peer = agent, peer
+        self.undo: list[Callable[[], None]] | None = None
+
+    def on_unsent(self, fn: Callable[[], None]) -> None:
+        if self.undo is None:
+            self.undo = []
+        self.undo.append(fn)
+
+    def unsent(self) -> None:
+        for fn in self.undo or ():
+            try:
+                fn()
+            except Exception:
+                log.exception("undoing an unsent message's side effects failed")
+
+
 @dataclass(slots=True)
 class _Pending:
     future: RpcFuture
@@ -117,6 +152,9 @@ class AgentOptions:
     host: str = "127.0.0.1"
     port: int = 0
     event_log_size: int = 10_000
+    heartbeat_interval: float = 0.5  # seconds between heartbeats; 0 turns detection off
+    failure_timeout: float = 2.0  # a member silent this long is declared dead
+    control_retry: float = 1.0  # first retry of an unanswered protocol message (doubles)
 
 
 class Agent:
@@ -155,18 +193,28 @@ class Agent:
         self.handlers: dict[str, Callable[[Any, int], Any]] = {"call": self._handle_call}
         self.ext: dict[str, Any] = {}
         self.snapshot_sections: dict[str, Callable[[], Any]] = {}
+        # hooks of upper layers: a member died or left (run on the I/O thread);
+        # unfinished protocol work (graceful shutdown waits for 0); shutdown
+        # between its two drains (given leak_check)
+        self.gone_hooks: list[Callable[[int], None]] = []
+        self.busy_checks: list[Callable[[], int]] = []
+        self.shutdown_hooks: list[Callable[[bool], None]] = []
+        self.faults = FaultPlan()
         self.state = "new"
         self._pending: dict[int, _Pending] = {}
         self._ids = itertools.count(1)
         self._members: dict[int, Member] = {}
         self._by_name: dict[str, Member] = {}
+        self._gone: dict[int, tuple[str, str]] = {}  # rank -> (name, why): died or left
         self._coordinator = Coordinator(world_size) if rank == 0 else None
         self._joined = threading.Event()
         self._join_error: str | None = None
         self._verdicts: dict[int, Verdict] = {}  # shutdown round -> "done?"
+        self._rounds = itertools.count()
         self._lock = threading.Lock()
-        self.sent = 0  # requests sent (under _lock)
-        self.served = 0  # requests answered (under _lock)
+        self._sent: Counter[int] = Counter()  # requests sent, per peer (under _lock)
+        self._served: Counter[int] = Counter()  # requests answered, per caller (under _lock)
+        self._coordinator_seen = 0.0  # when rank 0 was last heard from
         self.timeouts = self.late_replies = self.remote_errors = 0
         for install in _EXTENSIONS:
             install(self)
@@ -185,6 +233,8 @@ class Agent:
         self.io.start()
         self.io.call_soon(self._adopt_thread)
         join = Join(Member(self.name, self.rank, self.address), self.world_size)
+        if self.options.heartbeat_interval > 0:
+            self.io.call_later(self.options.heartbeat_interval, self._tick)
         if self._coordinator is not None:
             self.io.call_soon(self._on_join, join)
         else:
@@ -217,9 +267,12 @@ class Agent:
         raise RendezvousError(
             f"{self.name!r} could not join the group within {timeout:g} s.{missing}")
 
-    def shutdown(self, graceful: bool = True, timeout: float = 0) -> None:
+    def shutdown(self, graceful: bool = True, timeout: float = 0,
+                 leak_check: bool = False) -> None:
         """Leave the group. Graceful: first wait until the whole (static) group
-        has no call, in any direction, still outstanding."""
+        has no call, in any direction, still outstanding; then run the
+        ``shutdown_hooks`` (the RRef layer reports leaks if ``leak_check`` and
+        deletes its user RRefs) and wait again for what they sent."""
         if self.state in ("stopping", "stopped"):
             return
         limit = timeout if timeout > 0 else (self.options.rpc_timeout or 60.0)
@@ -227,18 +280,30 @@ class Agent:
         error: Exception | None = None
         if graceful and self.state == "ready":
             self.state = "stopping"
+            gc.collect()  # RRefs in reference cycles: their deletes go out now
             try:
                 if self.world_size is None:
-                    self._wait_local_idle(deadline, limit)
+                    self._wait_local_idle(deadline, limit, busy=True)
+                    self._run_shutdown_hooks(leak_check)
+                    self._wait_local_idle(deadline, limit, busy=True)
                     if self.rank != 0:
                         self._send_control(0, Leave(self.rank))
-                else:
+                else:  # every member runs both drains, so the rounds line up
+                    self._drain_group(deadline, limit)
+                    self._run_shutdown_hooks(leak_check)
                     self._drain_group(deadline, limit)
             except RpcTimeoutError as e:
                 error = e
         self._stop_local()
         if error is not None:
             raise error
+
+    def _run_shutdown_hooks(self, leak_check: bool) -> None:
+        for hook in self.shutdown_hooks:
+            hook(leak_check)
+
+    def _busy(self) -> int:
+        return sum(check() for check in self.busy_checks)
 
     def _stop_local(self) -> None:
         self.state = "stopped"
@@ -255,19 +320,22 @@ class Agent:
         if _Default.agent is self:
             _Default.agent = None
 
-    def _wait_local_idle(self, deadline: float, limit: float) -> None:
-        while self._pending:
+    def _wait_local_idle(self, deadline: float, limit: float, busy: bool = False) -> None:
+        while self._pending or (busy and self._busy()):
             if time.monotonic() > deadline:
                 raise RpcTimeoutError(
-                    f"shutdown waiting for {len(self._pending)} outstanding call(s)", limit)
+                    f"shutdown waiting for {len(self._pending)} outstanding call(s) and "
+                    f"{self._busy()} unfinished RRef message(s)", limit)
             time.sleep(0.002)
 
     def _drain_group(self, deadline: float, limit: float) -> None:
-        for rnd in itertools.count():  # bounded by the deadline
+        while True:  # bounded by the deadline
             self._wait_local_idle(deadline, limit)
+            rnd = next(self._rounds)
             verdict = self._verdicts[rnd] = Verdict()
+            active = len(self._pending) + self._busy()
             with self._lock:
-                report = DrainReport(rnd, len(self._pending), self.sent, self.served)
+                report = DrainReport(rnd, active, dict(self._sent), dict(self._served))
             self._send_control(0, report)
             try:
                 done = verdict.result(timeout=max(0.0, deadline - time.monotonic()))
@@ -278,6 +346,8 @@ class Agent:
                 del self._verdicts[rnd]
             if done:
                 return
+            if active:  # protocol work waits on other workers: do not spin
+                time.sleep(0.005)
 
     def _adopt_thread(self) -> None:
         _local.agent = self
@@ -303,7 +373,10 @@ class Agent:
 
     def _peer_name(self, rank: int) -> str:
         m = self._members.get(rank)
-        return m.name if m else f"rank{rank}"
+        if m is not None:
+            return m.name
+        gone = self._gone.get(rank)
+        return gone[0] if gone else f"rank{rank}"
 
     def _set_members(self, members: tuple[Member, ...]) -> None:
         for m in members:
@@ -315,18 +388,48 @@ class Agent:
             self._by_name.pop(old.name, None)
         self._members[m.rank] = m
         self._by_name[m.name] = m
+        self._gone.pop(m.rank, None)  # restarted under the same rank
         if m.rank != self.rank:
             self.io.set_address(m.rank, m.address)
 
-    def _remove_member(self, rank: int) -> None:
+    def _remove_member(self, rank: int, dead: bool = False) -> None:
         m = self._members.pop(rank, None)
         if m is None:
             return
-        self._by_name.pop(m.name, None)
+        why = ("died (no heartbeat for "
+               f"{self.options.failure_timeout:g} s)" if dead else "left the group")
+        self._gone[rank] = (m.name, why)
+        (log.warning if dead else log.info)("nbrpc agent %r: worker %r (rank %d) %s",
+                                            self.name, m.name, rank, why)
+        self.events.add("member-dead" if dead else "member-left", "", m.name, 0, 0)
+        if self._by_name.get(m.name) is m:
+            self._by_name.pop(m.name, None)
         self.io.forget(rank)
         for mid, p in list(self._pending.items()):
             if p.peer == rank and self._pending.pop(mid, None) is not None:
-                p.future.set_exception(WorkerGoneError(m.name))
+                if p.timer is not None:
+                    self.io.cancel(p.timer)
+                p.future.set_exception(WorkerGoneError(m.name, why))
+        for hook in self.gone_hooks:
+            try:
+                hook(rank)
+            except Exception:
+                log.exception("a member-gone hook failed for rank %d", rank)
+
+    def gone_why(self, rank: int) -> str | None:
+        """Why ``rank`` is no longer a member ("died (no heartbeat ...)"), or None."""
+        gone = self._gone.get(rank)
+        return gone[1] if gone else None
+
+    @property
+    def sent(self) -> int:
+        """Requests sent since start."""
+        return sum(self._sent.values())
+
+    @property
+    def served(self) -> int:
+        """Requests answered since start."""
+        return sum(self._served.values())
 
     # -- calls: caller side --------------------------------------------------
     def rpc_async(self, to: Any, fn: Callable, args: tuple | None = None,
@@ -336,14 +439,18 @@ class Agent:
             raise TypeError(f"func must be callable, got {type(fn).__name__}")
         return self.request(to, Call(fn, tuple(args or ()), dict(kwargs or {})), timeout)
 
-    def request(self, to: Any, msg: Any, timeout: float = -1.0) -> RpcFuture:
-        """Send a typed request; the future completes with the handler's answer."""
+    def request(self, to: Any, msg: Any, timeout: float = -1.0,
+                inline: bool = False) -> RpcFuture:
+        """Send a typed request; the future completes with the handler's answer.
+        ``inline``: the handler is protocol bookkeeping run on the receiver's
+        I/O thread (it must never block)."""
         if self.state not in ("ready", "stopping"):
             raise ShutdownError(f"agent {self.name!r} is {self.state}; it takes no new calls")
         peer = self.resolve(to).rank
         if timeout is None or timeout < 0:
             timeout = self.options.rpc_timeout
-        payload, buffers = dumps(msg, self)
+        wire = Wire(self, peer)
+        payload, buffers = dumps(msg, wire)
         mid = next(self._ids)
         fut = RpcFuture(self._io_ident)
         p = _Pending(fut, peer, msg.op, time.perf_counter())
@@ -351,18 +458,43 @@ class Agent:
         if timeout > 0:
             p.timer = self.io.call_later(timeout, self._expire, mid, timeout)
         with self._lock:
-            self.sent += 1
+            self._sent[peer] += 1
+        kind = INLINE if inline else REQUEST
         try:
-            nbytes = self.io.send(peer, REQUEST, mid, payload, buffers)
+            fault = self.faults.take(msg.op, False) if self.faults.rules else None
+            if fault is None:
+                nbytes = self.io.send(peer, kind, mid, payload, buffers)
+            else:
+                nbytes = self._inject(fault, peer, kind, mid, payload, buffers)
         except BaseException:  # nothing left: no pending entry, no count, no timer
             self._pending.pop(mid, None)
             if p.timer is not None:
                 self.io.cancel(p.timer)
             with self._lock:
-                self.sent -= 1
+                self._sent[peer] -= 1
+            wire.unsent()
             raise
         self.events.add("send", msg.op, self._peer_name(peer), mid, nbytes)
         return fut
+
+    def _inject(self, fault: tuple[str, float], peer: int, kind: int, mid: int,
+                payload: bytes, buffers: list) -> int:
+        """A test's fault: the message is lost, or sent late. A lost request is
+        not counted as sent (the callee never counts it as served); a lost
+        reply was served all the same, and the retry counts on both sides."""
+        action, delay = fault
+        log.info("fault injection: %s message %d to rank %d", action, mid, peer)
+        if action == "drop":
+            if kind != RESPONSE:
+                with self._lock:
+                    self._sent[peer] -= 1
+            return 0
+        self.io.call_later(delay, self._send_late, peer, kind, mid, payload, buffers)
+        return 0
+
+    def _send_late(self, peer: int, kind: int, mid: int, payload: bytes, buffers: list) -> None:
+        if self.state in ("ready", "stopping") and peer in self._members:
+            self.io.send(peer, kind, mid, payload, buffers)
 
     def _io_ident(self) -> int | None:
         return self.io.thread_ident
@@ -382,6 +514,7 @@ class Agent:
             self.late_replies += 1
             log.debug("discarding a late or stray reply %d from rank %d", env.msg_id,
                       env.sender)
+            self._discard(env)
             return
         if p.timer is not None:
             self.io.cancel(p.timer)
@@ -389,7 +522,7 @@ class Agent:
         self.events.add("recv", p.op, name, env.msg_id, len(env.payload),
                         time.perf_counter() - p.started)
         try:
-            reply = loads(env.payload, env.buffers, self)
+            reply = loads(env.payload, env.buffers, Wire(self, env.sender))
         except Exception as e:
             p.future.set_exception(SerializationError(
                 f"the answer from {name!r} could not be unpickled here: "
@@ -401,6 +534,16 @@ class Agent:
             self.remote_errors += 1
             p.future.set_exception(rebuild_error(reply))
 
+    def _discard(self, env: Envelope) -> None:
+        """A late reply is still unpickled, then dropped: RRefs forked into it
+        must be received (and released) for their parents to let go."""
+        if env.sender not in self._members:
+            return
+        try:
+            loads(env.payload, env.buffers, Wire(self, env.sender))
+        except Exception as e:
+            log.debug("a late reply from rank %d did not unpickle: %s", env.sender, e)
+
     # -- calls: callee side --------------------------------------------------
     def _on_message(self, env: Envelope) -> None:
         kind = env.kind
@@ -408,6 +551,8 @@ class Agent:
             self._complete(env)
         elif kind == REQUEST:
             self.pool.submit(self._serve, env)
+        elif kind == INLINE:
+            self._serve(env)
         elif kind == CONTROL:
             self._on_control(env)
         else:
@@ -417,7 +562,7 @@ class Agent:
         started = time.perf_counter()
         op = "?"
         try:
-            msg = loads(env.payload, env.buffers, self)
+            msg = loads(env.payload, env.buffers, Wire(self, env.sender))
             op = msg.op
             handler = self.handlers.get(op)
             if handler is None:
@@ -433,20 +578,30 @@ class Agent:
             self._reply(env, Ok(result), op, started)
 
     def _reply_future(self, env: Envelope, f: torch.futures.Future, op: str, started: float) -> None:
-        try:
-            reply: Any = Ok(f.value())
-        except BaseException as e:
-            reply = pack_error(e, self.name)
+        value, error = outcome(f)
+        reply: Any = Ok(value) if error is None else pack_error(error, self.name)
         self._reply(env, reply, op, started)
 
     def _reply(self, env: Envelope, reply: Any, op: str, started: float) -> None:
+        peer = env.sender
+        wire = Wire(self, peer)
         try:
-            payload, buffers = dumps(reply, self)
+            payload, buffers = dumps(reply, wire)
         except SerializationError as e:
-            payload, buffers = dumps(pack_error(e, self.name), self)
-        nbytes = self.io.send(env.sender, RESPONSE, env.msg_id, payload, buffers)
+            wire.unsent()
+            wire = Wire(self, peer)
+            payload, buffers = dumps(pack_error(e, self.name), wire)
         with self._lock:
-            self.served += 1
+            self._served[peer] += 1
+        try:
+            fault = self.faults.take(op, True) if self.faults.rules else None
+            if fault is None:
+                nbytes = self.io.send(peer, RESPONSE, env.msg_id, payload, buffers)
+            else:
+                nbytes = self._inject(fault, peer, RESPONSE, env.msg_id, payload, buffers)
+        except BaseException:
+            wire.unsent()
+            raise
         self.events.add("serve" if type(reply) is Ok else "serve-error", op,
                         self._peer_name(env.sender), env.msg_id, nbytes,
                         time.perf_counter() - started)
@@ -465,27 +620,39 @@ class Agent:
     def _on_control(self, env: Envelope) -> None:
         msg = loads(env.payload, env.buffers)
         t = type(msg)
+        now = time.monotonic()
+        if env.sender == 0:
+            self._coordinator_seen = now
+        if self._coordinator is not None:
+            self._coordinator.heard_from(env.sender, now)
+        if t is Heartbeat:
+            return
         if t is Members:
             if msg.error:
                 self._join_error = msg.error
             else:
                 self._set_members(msg.members)
+                if self._coordinator is not None:
+                    self._coordinator.watch_all(now)
             self._joined.set()
         elif t is MemberJoined:
             self._add_member(msg.member)
         elif t is MemberLeft:
-            self._remove_member(msg.rank)
+            if msg.rank == self.rank:
+                self._evicted()
+            else:
+                self._remove_member(msg.rank, msg.dead)
         elif t is DrainVerdict:
             verdict = self._verdicts.get(msg.round)
             if verdict is not None and not verdict.done():
                 verdict.set_result(msg.done)
         elif self._coordinator is None:
             log.warning("rank %d sent %s to a non-coordinator", env.sender, t.__name__)
-        elif t is Join:
-            self._on_join(msg)
         elif t is Leave:
             self._dispatch(self._coordinator.on_leave(msg.rank))
             self._remove_member(msg.rank)
+        elif t is Join:
+            self._on_join(msg)
         elif t is DrainReport:
             self._dispatch(self._coordinator.on_drain_report(env.sender, msg))
 
@@ -497,7 +664,46 @@ class Agent:
 
     def _dispatch(self, outbox: list) -> None:
         for rank, msg in outbox:
-            self._send_control(rank, msg)
+            try:
+                self._send_control(rank, msg)
+            except Exception as e:  # a member gone meanwhile
+                log.debug("control message to rank %d not sent: %s", rank, e)
+
+    # -- failure detection (on the I/O thread) ---------------------------------
+    def _tick(self) -> None:
+        if self.state in ("stopped", "failed"):
+            return
+        opts = self.options
+        self.io.call_later(opts.heartbeat_interval, self._tick)
+        if not self._joined.is_set() or self._join_error:
+            return
+        now = time.monotonic()
+        if self._coordinator is not None:
+            for rank in self._coordinator.expired(now, opts.failure_timeout):
+                self._dispatch(self._coordinator.on_leave(rank, dead=True))
+                self._remove_member(rank, dead=True)
+            for rank in list(self._members):
+                if rank != 0:
+                    self._dispatch([(rank, Heartbeat())])
+            return
+        if 0 not in self._members:
+            return
+        if self._coordinator_seen and now - self._coordinator_seen > opts.failure_timeout:
+            self._remove_member(0, dead=True)
+            return
+        if not self._coordinator_seen:
+            self._coordinator_seen = now
+        self._dispatch([(0, Heartbeat())])
+
+    def _evicted(self) -> None:
+        """The coordinator declared this (slow, but alive) worker dead."""
+        log.error("nbrpc agent %r was declared dead by the coordinator (it was not heard "
+                  "from for %g s); it takes no new calls. Shut it down and start it again.",
+                  self.name, self.options.failure_timeout)
+        self.state = "failed"
+        for rank in list(self._members):
+            if rank != self.rank:
+                self._remove_member(rank, dead=False)
 
     # -- observability -------------------------------------------------------
     def snapshot(self, events: int | None = 200) -> dict[str, Any]:
@@ -514,6 +720,7 @@ class Agent:
             "counters": {
                 "requests_sent": self.sent,
                 "requests_served": self.served,
+                "protocol_busy": self._busy(),
                 "messages_sent": self.io.sent_msgs,
                 "messages_received": self.io.recv_msgs,
                 "bytes_sent": self.io.sent_bytes,

@@ -10,19 +10,22 @@ import time
 from collections import deque
 from typing import Any
 
-MESSAGE_FIELDS = ("time", "event", "op", "peer", "msg_id", "nbytes", "duration")
+MESSAGE_FIELDS = ("time", "event", "op", "peer", "msg_id", "nbytes", "duration", "detail")
 
 
 class EventLog:
-    """Message events: ``send``/``recv`` of requests and responses, errors, drops."""
+    """Message events (``send``/``recv`` of requests and responses, errors, drops),
+    membership (``member-dead``/``member-left``) and RRef lifecycle events
+    (``rref-created``/``-forked``/``-confirmed``/``-child-accepted``/
+    ``-delete-sent``/``-deleted``/``-errored``; ``op`` holds the RRef id)."""
 
     def __init__(self, maxlen: int = 10_000) -> None:
         self._entries: deque[tuple] = deque(maxlen=maxlen)
         self.clock = time.time
 
     def add(self, event: str, op: str, peer: str, msg_id: int, nbytes: int,
-            duration: float | None = None) -> None:
-        self._entries.append((self.clock(), event, op, peer, msg_id, nbytes, duration))
+            duration: float | None = None, detail: str = "") -> None:
+        self._entries.append((self.clock(), event, op, peer, msg_id, nbytes, duration, detail))
 
     def records(self, last: int | None = None) -> list[dict[str, Any]]:
         entries = list(self._entries)

@@ -5,11 +5,21 @@ interrupted (Jupyter's interrupt button raises KeyboardInterrupt within a
 second) and leaves the future, the call and the agent intact, so the same
 future can be waited on again. ``torch.futures.wait_all``, ``collect_all``
 and ``.then()`` work as for any torch future.
+
+Errors and reference cycles: a torch future holds its error in C++, where
+Python's garbage collector cannot see it. An error raised out of the future
+gets a traceback whose frames often reference that same future, and the
+cycle future → error → traceback → frame → future is never collected (with
+everything those frames hold: RRefs, tensors). So nbrpc never raises or keeps
+a stored error with frames: :func:`detach` turns an error's traceback into
+text before it is stored, :func:`outcome` reads a future without raising, and
+:meth:`RpcFuture.wait` raises a fresh copy of the stored error.
 """
 
 from __future__ import annotations
 
 import threading
+import traceback
 from collections.abc import Callable
 from typing import Any
 
@@ -28,7 +38,13 @@ class RpcFuture(torch.futures.Future):
     def wait(self) -> Any:
         if not self.done():
             self._block()
-        return super().wait()
+        return self.value()
+
+    def value(self) -> Any:
+        result, error = outcome(self, torch._C.Future.value)
+        if error is not None:
+            raise fresh(error)
+        return result
 
     def _block(self) -> None:
         if self._io_ident is not None and threading.get_ident() == self._io_ident():
@@ -43,3 +59,52 @@ class RpcFuture(torch.futures.Future):
         while not done.acquire(timeout=_SLICE):  # slices keep Ctrl-C prompt
             pass
 
+
+
+TRACEBACK_ATTR = "_nbrpc_traceback"
+
+
+def detach(e: BaseException) -> BaseException:
+    """Keep ``e``'s traceback as text (``pack_error`` sends it) and drop the
+    frames, so that storing ``e`` in a future makes no uncollectable cycle."""
+    tb = e.__traceback__
+    if tb is not None:
+        if getattr(e, TRACEBACK_ATTR, None) is None:
+            try:
+                setattr(e, TRACEBACK_ATTR,
+                        "".join(traceback.format_exception(type(e), e, tb)))
+            except Exception:  # an exception type without attributes
+                pass
+        e.__traceback__ = None
+    return e
+
+
+def outcome(fut: torch.futures.Future, read: Callable | None = None
+            ) -> tuple[Any, BaseException | None]:
+    """``(value, None)`` or ``(None, error)`` of a completed future, without
+    raising (see the module docstring for why).
+
+    >>> f = torch.futures.Future(); f.set_exception(ValueError("no"))
+    >>> outcome(f)
+    (None, ValueError('no'))
+    """
+    try:
+        return (read or type(fut).value)(fut), None
+    except BaseException as e:
+        return None, detach(e)
+
+
+def fresh(e: BaseException) -> BaseException:
+    """A copy of a stored error, to raise: its traceback will reference the
+    raiser's frames, and it must not be the object the future holds."""
+    cls = type(e)
+    try:
+        new = cls.__new__(cls, *e.args)
+        new.args = e.args
+        new.__dict__.update(e.__dict__)
+        new.__dict__.pop(TRACEBACK_ATTR, None)  # it gets its own traceback
+    except Exception:  # an exotic exception type: raise the stored one
+        return e
+    new.__cause__ = e.__cause__
+    new.__suppress_context__ = True
+    return new

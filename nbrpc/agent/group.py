@@ -17,7 +17,13 @@ TensorPipe agent loops "wait for no active calls, then all-reduce the count"):
 each worker, once it has no outgoing call in flight, reports ``active``,
 ``sent`` and ``served``; the group is quiet when, in two consecutive rounds,
 nobody is active, every request sent has been served, and the sums did not
-move between the rounds (so no call slipped in between the reports).
+move between the rounds (so no call slipped in between the reports). Counts
+are per peer, and only pairs of current members are summed, so a member that
+died with calls in flight does not keep the rest from agreeing.
+
+Failure detection: members and the coordinator exchange heartbeats; a member
+silent for ``failure_timeout`` is declared dead (:meth:`Coordinator.expired`)
+and everyone is told, as for a leave.
 """
 
 from __future__ import annotations
@@ -62,6 +68,7 @@ class Coordinator:
             raise ValueError(f"world_size must be >= 1 or None, got {world_size}")
         self.world_size = world_size
         self.members: dict[int, Member] = {}
+        self.last_seen: dict[int, float] = {}  # rank -> monotonic time last heard
         self._reports: dict[int, dict[int, DrainReport]] = {}
         self._last_sums: tuple[int, int] | None = None
 
@@ -79,6 +86,7 @@ class Coordinator:
             return [(m.rank, Members((), error))]
         rejoin = self.members.get(m.rank)
         self.members[m.rank] = m
+        self.last_seen.pop(m.rank, None)  # watched once the group is formed
         if self.world_size is not None:  # static: everyone hears once all are in
             if not self.complete:
                 return []
@@ -107,20 +115,47 @@ class Coordinator:
                 return f"rank {m.rank} ({m.name!r}) joined twice."
         return None
 
-    def on_leave(self, rank: int) -> Outbox:
+    def on_leave(self, rank: int, dead: bool = False) -> Outbox:
         if self.members.pop(rank, None) is None:
             return []
-        return [(r, MemberLeft(rank)) for r in self.members if r != 0]
+        self.last_seen.pop(rank, None)
+        out: Outbox = [(r, MemberLeft(rank, dead)) for r in self.members if r != 0]
+        if dead:  # in case it is alive after all: it learns it was dropped
+            out.append((rank, MemberLeft(rank, dead)))
+        for rnd in sorted(self._reports):  # rounds that waited for it can finish
+            out += self._verdict(rnd)
+        return out
 
+    # -- failure detection ------------------------------------------------------
+    def heard_from(self, rank: int, now: float) -> None:
+        if rank in self.members:
+            self.last_seen[rank] = now
+
+    def watch_all(self, now: float) -> None:
+        """Start watching every member (the group is formed)."""
+        for r in self.members:
+            self.last_seen[r] = now
+
+    def expired(self, now: float, timeout: float) -> list[int]:
+        """Members (other than the coordinator) silent for longer than ``timeout``."""
+        return sorted(r for r, t in self.last_seen.items() if r != 0 and now - t > timeout)
+
+    # -- graceful shutdown ------------------------------------------------------
     def on_drain_report(self, sender: int, report: DrainReport) -> Outbox:
-        got = self._reports.setdefault(report.round, {})
-        got[sender] = report
-        if set(got) != set(self.members):
+        self._reports.setdefault(report.round, {})[sender] = report
+        return self._verdict(report.round)
+
+    def _verdict(self, rnd: int) -> Outbox:
+        got = self._reports[rnd]
+        if not set(self.members) <= set(got):
             return []
-        del self._reports[report.round]
-        sums = (sum(r.sent for r in got.values()), sum(r.served for r in got.values()))
-        quiet = all(r.active == 0 for r in got.values()) and sums[0] == sums[1]
+        del self._reports[rnd]
+        ranks = set(self.members)
+        got = {r: rep for r, rep in got.items() if r in ranks}
+        sums = (sum(n for rep in got.values() for p, n in rep.sent.items() if p in ranks),
+                sum(n for rep in got.values() for p, n in rep.served.items() if p in ranks))
+        quiet = all(rep.active == 0 for rep in got.values()) and sums[0] == sums[1]
         done = quiet and sums == self._last_sums
         self._last_sums = sums if quiet else None
-        verdict = DrainVerdict(report.round, done)
+        verdict = DrainVerdict(rnd, done)
         return [(r, verdict) for r in self.members]

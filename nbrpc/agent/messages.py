@@ -8,8 +8,11 @@ kind     value       handled
 REQUEST  1           unpickled and run on the worker pool; answered by a RESPONSE
                      with the same message id
 RESPONSE 2           unpickled on the I/O thread; completes the caller's future
-CONTROL  3           group membership and shutdown; handled on the I/O thread,
-                     never blocks, never runs user code
+CONTROL  3           group membership, heartbeats and shutdown; handled on the I/O
+                     thread, never blocks, never runs user code
+INLINE   4           a REQUEST whose handler is protocol bookkeeping (RRef fork,
+                     accept, delete): handled on the I/O thread, so it is never
+                     queued behind user code, and answered like a REQUEST
 =======  ==========  ==============================================================
 
 A REQUEST payload is a dataclass with an ``op`` naming its handler; handlers
@@ -22,7 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, fields
 from typing import Any, ClassVar
 
-REQUEST, RESPONSE, CONTROL = 1, 2, 3
+REQUEST, RESPONSE, CONTROL, INLINE = 1, 2, 3, 4
 
 
 def fast_pickle(cls: type) -> type:
@@ -105,6 +108,13 @@ class MemberJoined:
 @dataclass(frozen=True, slots=True)
 class MemberLeft:
     rank: int
+    dead: bool = False  # declared dead by the coordinator (no heartbeat), not a leave
+
+
+@fast_pickle
+@dataclass(frozen=True, slots=True)
+class Heartbeat:
+    """Member → coordinator and coordinator → members, every heartbeat interval."""
 
 
 @fast_pickle
@@ -120,9 +130,9 @@ class DrainReport:
     """One worker's counters for round ``round`` of the shutdown check."""
 
     round: int
-    active: int  # outgoing calls not yet answered
-    sent: int  # requests sent since start
-    served: int  # requests answered since start
+    active: int  # outgoing calls not yet answered, plus unfinished protocol work
+    sent: dict[int, int]  # requests sent since start, per destination rank
+    served: dict[int, int]  # requests answered since start, per caller rank
 
 
 @fast_pickle

@@ -120,6 +120,9 @@ class WorkerPool:
                 fn(*args)
             except BaseException:  # a task's failure must not kill the thread
                 log.exception("nbrpc worker task %r failed", fn)
+            # drop the task before waiting for the next: its arguments (a
+            # message's buffers, a freed RRef value) must not outlive it
+            del item, fn, args
             with lock:
                 self._idle += 1
                 self._finished += 1

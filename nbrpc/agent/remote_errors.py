@@ -16,12 +16,14 @@ from typing import Any
 import cloudpickle
 
 from ..errors import RemoteError, RemoteTraceback
+from .futures import TRACEBACK_ATTR
 from .messages import Err
 
 
 def pack_error(e: BaseException, worker: str) -> Err:
     """The message that carries ``e`` back to the caller."""
-    tb = "".join(traceback.format_exception(type(e), e, e.__traceback__))
+    tb = getattr(e, TRACEBACK_ATTR, None) or "".join(
+        traceback.format_exception(type(e), e, e.__traceback__))
     try:
         exc_pickle = cloudpickle.dumps(e) if isinstance(e, Exception) else None
     except Exception:
@@ -39,6 +41,7 @@ def rebuild_error(err: Err) -> BaseException:
             exc = None
     if not isinstance(exc, Exception):
         return RemoteError(err.worker, err.type_name, err.message, err.traceback)
+    exc.__dict__.pop(TRACEBACK_ATTR, None)  # the callee's; it is in the cause below
     exc.__cause__ = RemoteTraceback(f'\n"""\n{err.traceback.rstrip()}\n"""')
     try:
         exc.remote_worker = err.worker

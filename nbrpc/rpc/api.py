@@ -122,14 +122,20 @@ def _unlink(path: str) -> None:
         pass
 
 
-def shutdown(graceful: bool = True, timeout: float = 0) -> None:
+def shutdown(graceful: bool = True, timeout: float = 0, leak_check: bool | None = None) -> None:
     """Stop this process's agent.
 
     ``graceful=True`` first waits until no call is outstanding anywhere in
-    the group (every worker calls shutdown). ``timeout`` bounds that wait
-    (0: the RPC timeout, 60 s by default); past it the agent stops anyway
-    and the timeout is raised. Afterwards ``init_rpc`` may be called again
-    in the same process; a second ``shutdown()`` does nothing.
+    the group (every worker calls shutdown), then deletes this worker's
+    user RRefs (as PyTorch does) and waits until every fork and delete in
+    the group has completed. ``timeout`` bounds those waits (0: the RPC
+    timeout, 60 s by default); past it the agent stops anyway and the
+    timeout is raised. Afterwards ``init_rpc`` may be called again in the
+    same process; a second ``shutdown()`` does nothing.
+
+    ``leak_check=True`` (or the environment variable ``NBRPC_LEAK_CHECK=1``)
+    reports RRefs still alive at that point, with their creation sites, as
+    an :class:`~nbrpc.rref.RRefLeakWarning` (and in the log).
 
     >>> opts = _free_port_options()
     >>> init_rpc("a", rank=0, world_size=1, rpc_backend_options=opts)
@@ -144,7 +150,9 @@ def shutdown(graceful: bool = True, timeout: float = 0) -> None:
     if path:  # first, so that no re-init can read this group's address
         _unlink(path)
     try:
-        agent.shutdown(graceful=graceful, timeout=timeout)
+        if leak_check is None:
+            leak_check = os.environ.get("NBRPC_LEAK_CHECK", "") not in ("", "0")
+        agent.shutdown(graceful=graceful, timeout=timeout, leak_check=leak_check)
     finally:
         set_default_agent(None)
 

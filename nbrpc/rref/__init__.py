@@ -1,6 +1,7 @@
-"""Remote references: RRef objects and the owner tables behind them."""
+"""Remote references: RRef objects, the fork/delete protocol and its tables."""
 
-from .rref import RRef, RRefContext, remote
-from .state import OwnerTable, RRefId
+from .context import RRefContext, RRefLeakWarning
+from .rref import RRef, remote
+from .state import RRefId, RRefState
 
-__all__ = ["OwnerTable", "RRef", "RRefContext", "RRefId", "remote"]
+__all__ = ["RRef", "RRefContext", "RRefId", "RRefLeakWarning", "RRefState", "remote"]

@@ -1,12 +1,36 @@
-"""Owner-side RRef bookkeeping as plain state: no sockets, no threads.
+"""The RRef protocol as plain state: no sockets, no threads, no pickling.
 
-An owned value lives in an :class:`OwnerEntry` keyed by its :class:`RRefId`.
-It is kept while any user fork is registered or any owner-side ``RRef``
-object is alive, and dropped the moment both are gone.
+PyTorch's "Remote Reference Protocol", one object per worker. Methods take
+events (an RRef created, sent, received, deleted; a message arrived; a peer
+died) and return ``(rank, message)`` pairs for the caller to send. The
+agent-side glue (:mod:`nbrpc.rref.context`) does the sending and retries;
+here everything is deterministic and unit-tested without a network.
 
-This is the part of PyTorch's "Remote Reference Protocol" that ``remote()``
-and user deletion need; forking an RRef to a third worker (G2, pending
-children) builds on these tables.
+Who holds what::
+
+    owner   Owned entry per RRef id: the value (a future), its user forks
+            {fork id: holder rank}, and a count of owner-side RRef objects.
+            The value is dropped exactly when both are empty.
+    user    UserFork per fork id: owner, parent, pending / confirmed /
+            deleting. A pending fork's deletion waits for the confirmation.
+    parent  Child per fork id it sent: keeps the sent RRef object alive
+            until the child is confirmed by the owner (G2).
+
+Forking (an RRef pickled into a message for ``to``)::
+
+    owner → user     owner registers the fork {F: to} at once; the
+                     receiver's copy is born confirmed. No messages.
+    user → owner     parent keeps a Child F; the owner makes an owner-side
+                     RRef and answers ChildAccept(F) to the parent.
+    user → user      parent keeps a Child F; the receiver registers:
+      A ──(rref F)──▶ C ── ForkRequest(F) ──▶ owner     adds {F: C}
+                      C ◀──────── ok ──────── owner
+      A ◀── ChildAccept(F) ── C                         A drops Child F
+    delete           user ── Delete(F) ──▶ owner        drops F (G1)
+
+Every message is idempotent: the owner remembers deleted forks (tombstones),
+so a ForkRequest or Remote retried or delayed past its Delete does not
+resurrect the fork.
 """
 
 from __future__ import annotations
@@ -14,6 +38,7 @@ from __future__ import annotations
 import itertools
 import threading
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -21,7 +46,7 @@ import torch
 
 
 class RRefId(NamedTuple):
-    """Globally unique: the rank that created the RRef and a counter there."""
+    """Globally unique: the rank that made the id and a counter there."""
 
     creator: int
     local: int
@@ -33,13 +58,45 @@ class RRefId(NamedTuple):
 ForkId = RRefId  # a user copy's id has the same shape
 
 
+# -- messages (the agent sends them as requests; the reply is the ack) -----------
+@dataclass(frozen=True, slots=True)
+class ForkRequest:
+    """Receiver of a user→user fork asks the owner to register it."""
+
+    op = "rref_fork"
+    rref_id: RRefId
+    fork_id: ForkId
+
+
+@dataclass(frozen=True, slots=True)
+class ChildAccept:
+    """To the parent: the child fork is known to the owner; stop holding it."""
+
+    op = "rref_child_accept"
+    rref_id: RRefId
+    fork_id: ForkId
+
+
+@dataclass(frozen=True, slots=True)
+class Delete:
+    """A user dropped its fork (G1)."""
+
+    op = "rref_delete"
+    rref_id: RRefId
+    fork_id: ForkId
+
+
+Outbox = list[tuple[int, Any]]
+
+
+# -- table rows ---------------------------------------------------------------------
 @dataclass
-class OwnerEntry:
+class Owned:
     rref_id: RRefId
     value: torch.futures.Future  # remote() returns before the value exists
     site: str
     created: float = field(default_factory=time.time)
-    forks: set[ForkId] = field(default_factory=set)
+    forks: dict[ForkId, int] = field(default_factory=dict)  # fork -> holder rank
     owner_refs: int = 0  # live owner-side RRef objects
 
     @property
@@ -47,44 +104,125 @@ class OwnerEntry:
         return bool(self.forks) or self.owner_refs > 0
 
 
-class OwnerTable:
-    """Values this worker owns, and who holds a reference to each."""
+PENDING, CONFIRMED, FAILED, DELETING = "pending", "confirmed", "failed", "deleting"
+
+
+@dataclass
+class UserFork:
+    rref_id: RRefId
+    fork_id: ForkId
+    owner: int
+    parent: int | None  # who sent it here; None: created here by remote()
+    site: str
+    state: str = PENDING
+    released: bool = False  # the RRef object is gone; delete once confirmed
+    created: float = field(default_factory=time.time)
+
+
+@dataclass
+class Child:
+    rref_id: RRefId
+    fork_id: ForkId
+    to: int
+    keepalive: Any  # the parent's RRef object, held until ChildAccept (G2)
+    since: float = field(default_factory=time.time)
+
+
+TOMBSTONES = 65_536  # deleted forks remembered by an owner (oldest forgotten first)
+
+
+class RRefState:
+    """One worker's RRef tables. Thread-safe; returns messages, sends none."""
 
     def __init__(self, rank: int) -> None:
         self.rank = rank
         self._ids = itertools.count(1)
-        self._lock = threading.Lock()
-        self.entries: dict[RRefId, OwnerEntry] = {}
-        # Fetches that overtook the Remote creating their entry (the pool may
-        # run requests out of order): resolved by create(), or expired.
+        self._lock = threading.RLock()
+        self.owned: dict[RRefId, Owned] = {}
+        self.users: dict[ForkId, UserFork] = {}
+        self.children: dict[ForkId, Child] = {}
+        self._tombstones: OrderedDict[ForkId, None] = OrderedDict()
+        self.deleted = 0  # owned values dropped so far
+        # Fetches that overtook the message creating their entry (the pool may
+        # run requests out of order): resolved when it comes, or expired.
         self._awaiting: dict[RRefId, list[torch.futures.Future]] = {}
         # ids whose creator gave up, for a Fetch that arrives after the cancel
-        self._cancelled: dict[RRefId, Exception] = {}
-        self.deleted = 0
+        self._cancelled: OrderedDict[RRefId, Exception] = OrderedDict()
 
     def new_id(self) -> RRefId:
         return RRefId(self.rank, next(self._ids))
 
-    def create(self, rref_id: RRefId, site: str, fork: ForkId | None = None,
-               owner_ref: bool = False) -> OwnerEntry:
+    # -- owner ------------------------------------------------------------------------
+    def own(self, rref_id: RRefId, site: str) -> Owned:
+        """An owner-side RRef object was made (``RRef(value)``, ``remote()`` to self,
+        or an RRef that came home)."""
         with self._lock:
-            entry = self.entries.get(rref_id)
-            if entry is None:
-                entry = self.entries[rref_id] = OwnerEntry(rref_id, torch.futures.Future(), site)
-            if fork is not None:
-                entry.forks.add(fork)
-            if owner_ref:
-                entry.owner_refs += 1
-            waiting = self._awaiting.pop(rref_id, ())
-        for w in waiting:
-            w.set_result(entry)
+            entry = self._entry(rref_id, site)
+            entry.owner_refs += 1
+        self._wake(entry)
         return entry
 
+    def on_remote(self, rref_id: RRefId, fork: ForkId, holder: int, site: str) -> Owned | None:
+        """A user's ``remote()`` arrived: store the value under its id for its fork.
+        None: that fork was deleted already (a retried or late Remote), keep nothing."""
+        with self._lock:
+            if fork in self._tombstones and rref_id not in self.owned:
+                return None
+            entry = self._entry(rref_id, site)
+            if fork not in self._tombstones:
+                entry.forks[fork] = holder
+        self._wake(entry)
+        return entry
+
+    def on_fork_request(self, rref_id: RRefId, fork: ForkId, holder: int) -> None:
+        """Register a user→user fork. It may overtake the Remote that creates the
+        value: the entry is then made with a pending value for the Remote to fill."""
+        with self._lock:
+            if fork in self._tombstones:  # retried after its own Delete: nothing to do
+                return
+            entry = self._entry(rref_id, "?")
+            entry.forks[fork] = holder
+        self._wake(entry)
+
+    def on_delete(self, rref_id: RRefId, fork: ForkId) -> Owned | None:
+        """A user dropped ``fork``; returns the entry if its value is now freed."""
+        with self._lock:
+            self._tombstone(fork)
+            entry = self.owned.get(rref_id)
+            if entry is None:
+                return None
+            entry.forks.pop(fork, None)
+            return self._maybe_drop(entry)
+
+    def release_owner_ref(self, rref_id: RRefId) -> Owned | None:
+        with self._lock:
+            entry = self.owned.get(rref_id)
+            if entry is None:
+                return None
+            entry.owner_refs -= 1
+            return self._maybe_drop(entry)
+
+    def fork_from_owner(self, rref_id: RRefId, to: int) -> ForkId:
+        """The owner sends its RRef to user ``to``: the fork is registered now,
+        so the receiver's copy is confirmed on arrival."""
+        with self._lock:
+            fork = self.new_id()
+            self.owned[rref_id].forks[fork] = to
+            return fork
+
+    def came_home(self, rref_id: RRefId, fork: ForkId | None, parent: int) -> Outbox:
+        """An RRef arrived at its owner: the caller makes an owner-side object
+        (see :meth:`own`); the sending user may stop holding its child."""
+        if fork is None or parent == self.rank:
+            return []
+        return [(parent, ChildAccept(rref_id, fork))]
+
+    # -- fetches that overtake creation ----------------------------------------------
     def await_entry(self, rref_id: RRefId) -> torch.futures.Future:
         """A future of the entry, completed now if it exists, else when created."""
         fut: torch.futures.Future = torch.futures.Future()
         with self._lock:
-            entry = self.entries.get(rref_id)
+            entry = self.owned.get(rref_id)
             cancelled = self._cancelled.pop(rref_id, None)
             if entry is None and cancelled is None:
                 self._awaiting.setdefault(rref_id, []).append(fut)
@@ -95,71 +233,189 @@ class OwnerTable:
             fut.set_result(entry)
         return fut
 
-    def expire_waiters(self, rref_id: RRefId, error: Exception) -> int:
-        """Fail every fetch still waiting for ``rref_id`` (its creator gave up)."""
+    def creation_failed(self, rref_id: RRefId, error: Exception) -> int:
+        """The creator's Remote never arrived: fail fetches waiting for it (also
+        ones that come later), and a placeholder made by a fork of it."""
         with self._lock:
             waiters = self._awaiting.pop(rref_id, [])
-            if not waiters and rref_id not in self.entries:  # the Fetch may come later
-                if len(self._cancelled) >= 1024:
-                    self._cancelled.pop(next(iter(self._cancelled)))
+            entry = self.owned.get(rref_id)
+            if not waiters and entry is None:  # the Fetch may come later
                 self._cancelled[rref_id] = error
+                if len(self._cancelled) > 1024:
+                    self._cancelled.popitem(last=False)
         for w in waiters:
             w.set_exception(error)
+        if entry is not None and not entry.value.done():
+            entry.value.set_exception(error)
         return len(waiters)
 
     def expire_waiter(self, rref_id: RRefId, fut: torch.futures.Future, error: Exception) -> None:
         """Give up on a waiter whose entry never came (bounds the table)."""
         with self._lock:
             waiters = self._awaiting.get(rref_id, [])
-            if fut in waiters:
-                waiters.remove(fut)
-                if not waiters:
-                    del self._awaiting[rref_id]
-            else:
+            if fut not in waiters:
                 return
+            waiters.remove(fut)
+            if not waiters:
+                del self._awaiting[rref_id]
         fut.set_exception(error)
 
-    def get(self, rref_id: RRefId) -> OwnerEntry | None:
-        return self.entries.get(rref_id)
-
-    def remove_fork(self, rref_id: RRefId, fork: ForkId) -> bool:
-        """A user deleted its copy; True if the value was dropped."""
+    def _wake(self, entry: Owned) -> None:
+        if not self._awaiting:
+            return
         with self._lock:
-            entry = self.entries.get(rref_id)
-            if entry is None:
-                return False
-            entry.forks.discard(fork)
-            return self._maybe_drop(entry)
+            waiting = self._awaiting.pop(entry.rref_id, ())
+        for w in waiting:
+            w.set_result(entry)
 
-    def release_owner_ref(self, rref_id: RRefId) -> bool:
-        with self._lock:
-            entry = self.entries.get(rref_id)
-            if entry is None:
-                return False
-            entry.owner_refs -= 1
-            return self._maybe_drop(entry)
+    def _entry(self, rref_id: RRefId, site: str) -> Owned:
+        entry = self.owned.get(rref_id)
+        if entry is None:
+            entry = self.owned[rref_id] = Owned(rref_id, torch.futures.Future(), site)
+        elif entry.site == "?":
+            entry.site = site
+        return entry
 
-    def _maybe_drop(self, entry: OwnerEntry) -> bool:
+    def _maybe_drop(self, entry: Owned) -> Owned | None:
         if entry.alive:
-            return False
-        del self.entries[entry.rref_id]
+            return None
+        del self.owned[entry.rref_id]
         self.deleted += 1
-        return True
+        return entry
 
-    def snapshot(self) -> list[dict[str, Any]]:
-        now = time.time()
-        out = []
-        for e in list(self.entries.values()):
-            state = "pending"
-            if e.value.done():
-                try:
-                    v = e.value.value()
-                    state, typ = "ready", f"{type(v).__module__}.{type(v).__qualname__}"
-                except Exception as exc:
-                    state, typ = "error", type(exc).__name__
-            else:
-                typ = None
-            out.append({"rref_id": str(e.rref_id), "state": state, "type": typ,
-                        "forks": sorted(str(f) for f in e.forks), "owner_refs": e.owner_refs,
-                        "site": e.site, "age": now - e.created})
-        return out
+    def _tombstone(self, fork: ForkId) -> None:
+        self._tombstones[fork] = None
+        if len(self._tombstones) > TOMBSTONES:
+            self._tombstones.popitem(last=False)
+
+    # -- users --------------------------------------------------------------------------
+    def new_user(self, rref_id: RRefId, owner: int, site: str) -> ForkId:
+        """``remote()`` here: a user fork, pending until the owner acknowledges."""
+        with self._lock:
+            fork = self.new_id()
+            self.users[fork] = UserFork(rref_id, fork, owner, None, site)
+            return fork
+
+    def user_arrived(self, rref_id: RRefId, owner: int, fork: ForkId, parent: int,
+                     confirmed: bool, site: str) -> Outbox:
+        """A fork of someone else's RRef arrived from ``parent``."""
+        with self._lock:
+            user = UserFork(rref_id, fork, owner, parent, site,
+                            CONFIRMED if confirmed else PENDING)
+            self.users[fork] = user
+            if confirmed:  # the owner itself sent it: already registered
+                return []
+            return [(owner, ForkRequest(rref_id, fork))]
+
+    def on_confirmed(self, fork: ForkId) -> Outbox:
+        """The owner acknowledged ``fork`` (the reply to Remote or ForkRequest)."""
+        with self._lock:
+            user = self.users.get(fork)
+            if user is None or user.state != PENDING:
+                return []
+            user.state = CONFIRMED
+            out: Outbox = []
+            if user.parent is not None:  # (to ourselves too, for a fork sent to self)
+                out.append((user.parent, ChildAccept(user.rref_id, fork)))
+            if user.released:
+                out += self._delete(user)
+            return out
+
+    def on_failed(self, fork: ForkId) -> Outbox:
+        """The Remote creating ``fork`` failed (or its ack never came). The owner
+        may still have stored it, so a release still sends a (harmless) Delete."""
+        with self._lock:
+            user = self.users.get(fork)
+            if user is None or user.state != PENDING:
+                return []
+            user.state = FAILED
+            return self._delete(user) if user.released else []
+
+    def release_user(self, fork: ForkId) -> Outbox:
+        """The user RRef object was garbage-collected."""
+        with self._lock:
+            user = self.users.get(fork)
+            if user is None or user.released:
+                return []
+            user.released = True
+            if user.state == PENDING:  # G2 on the child side: wait for the owner
+                return []
+            return self._delete(user)
+
+    def on_delete_done(self, fork: ForkId) -> None:
+        with self._lock:
+            user = self.users.get(fork)
+            if user is not None and user.state == DELETING:
+                del self.users[fork]
+
+    def _delete(self, user: UserFork) -> Outbox:
+        user.state = DELETING
+        return [(user.owner, Delete(user.rref_id, user.fork_id))]
+
+    # -- parents --------------------------------------------------------------------
+    def fork_from_user(self, rref_id: RRefId, to: int, keepalive: Any) -> ForkId:
+        """This user sends its RRef to ``to``: hold it until the child is accepted."""
+        with self._lock:
+            fork = self.new_id()
+            self.children[fork] = Child(rref_id, fork, to, keepalive)
+            return fork
+
+    def on_child_accept(self, fork: ForkId) -> Child | None:
+        """Returns the child record (drop it outside the lock: that may free the RRef)."""
+        with self._lock:
+            return self.children.pop(fork, None)
+
+    def undo_fork(self, rref_id: RRefId, fork: ForkId) -> Owned | None:
+        """The message carrying ``fork`` was never sent: forget it."""
+        with self._lock:
+            self.children.pop(fork, None)
+            entry = self.owned.get(rref_id)
+            if entry is not None and entry.forks.pop(fork, None) is not None:
+                return self._maybe_drop(entry)
+            return None
+
+    # -- peers --------------------------------------------------------------------------
+    def peer_gone(self, rank: int) -> tuple[list[Owned], list[Child], list[UserFork]]:
+        """``rank`` died or left: its forks count as deleted, our children sent
+        to it are dropped, and our forks of its values are orphaned.
+        Returns (freed entries, dropped children, orphaned user forks)."""
+        with self._lock:
+            freed = []
+            for entry in list(self.owned.values()):
+                gone = [f for f, holder in entry.forks.items() if holder == rank]
+                for f in gone:
+                    del entry.forks[f]
+                    self._tombstone(f)
+                if gone and (dropped := self._maybe_drop(entry)) is not None:
+                    freed.append(dropped)
+            children = [c for c in self.children.values() if c.to == rank]
+            for c in children:
+                del self.children[c.fork_id]
+            orphans = [u for u in self.users.values() if u.owner == rank]
+            for u in orphans:
+                del self.users[u.fork_id]
+            for u in self.users.values():
+                if u.parent == rank:  # nobody left to tell
+                    u.parent = None
+            return freed, children, orphans
+
+    def release_all_users(self) -> Outbox:
+        """At shutdown: delete every user fork still held, as PyTorch does."""
+        with self._lock:
+            out: Outbox = []
+            for fork in list(self.users):
+                out += self.release_user(fork)
+            return out
+
+    # -- inspection -----------------------------------------------------------------
+    def outstanding(self) -> int:
+        """Protocol work not finished here: children awaiting acceptance, forks
+        awaiting confirmation or deletion. Graceful shutdown waits for zero."""
+        with self._lock:
+            return len(self.children) + sum(
+                1 for u in self.users.values()
+                if u.state == DELETING or (u.state == PENDING and u.released))
+
+    def pending_children(self, rref_id: RRefId) -> list[Child]:
+        with self._lock:
+            return [c for c in self.children.values() if c.rref_id == rref_id]

@@ -1,0 +1,304 @@
+"""RRef forks, lifetimes, failures and leaks with real agents in one process.
+
+Values are ``Tracked`` objects whose ``__del__`` records that the owner really
+freed them; every test ends by checking that nothing is left anywhere.
+"""
+
+from __future__ import annotations
+
+import gc
+import pickle
+import threading
+import time
+import weakref
+
+import pytest
+import torch
+from conftest import local_group, poll_for
+
+from nbrpc.agent import current_agent, set_default_agent
+from nbrpc.errors import NbrpcError, WorkerGoneError
+from nbrpc.rref import RRef, RRefLeakWarning, remote
+
+FREED: list[str] = []
+_lock = threading.Lock()
+
+
+class Tracked:
+    def __init__(self, tag: str, payload: int = 0) -> None:
+        self.tag = tag
+        self.payload = torch.zeros(payload // 4) if payload else None
+
+        self.original = True  # copies made by to_here() are not counted
+
+    def get(self) -> str:
+        return self.tag
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "original": False}
+
+    def __del__(self) -> None:
+        if self.original:
+            with _lock:
+                FREED.append(self.tag)
+
+
+# -- functions that run remotely ------------------------------------------------------
+def tag_of(rref: RRef) -> str:
+    """Works on any worker: the owner reads its value, a user fetches it."""
+    return rref.local_value().tag if rref.is_owner() else rref.to_here().tag
+
+
+def role_and_tag(rref: RRef) -> tuple[bool, str]:
+    return rref.is_owner(), tag_of(rref)
+
+
+def make_owned(tag: str) -> RRef:
+    """Runs on the owner: returns an RRef to a fresh local value (owner → user)."""
+    return RRef(Tracked(tag))
+
+
+def forward(rref: RRef, to: str) -> str:
+    """A user passes an RRef it received on to another worker (nested calls)."""
+    return current_agent().rpc_async(to, tag_of, (rref,)).wait()
+
+
+def tags_in(container: dict) -> list[str]:
+    return sorted(tag_of(r) for r in container["refs"])
+
+
+def hold(rref: RRef) -> dict:
+    """A value that contains an RRef (owned elsewhere)."""
+    return {"inner": rref}
+
+
+def keep_for(rref: RRef, seconds: float) -> str:
+    time.sleep(seconds)
+    return tag_of(rref)
+
+
+def fail(msg: str) -> None:
+    raise ValueError(msg)
+
+
+def all_clear(*agents) -> bool:
+    return all(not a.ext["rref"].state.owned and not a.ext["rref"].state.users
+               and not a.ext["rref"].state.children for a in agents)
+
+
+def freed(tag: str) -> bool:
+    gc.collect()
+    with _lock:
+        return tag in FREED
+
+
+@pytest.fixture
+def group():
+    with local_group(["a", "b", "c"], control_retry=0.2) as agents:
+        yield agents
+        gc.collect()
+        assert poll_for(lambda: all_clear(*agents), timeout=5), [
+            a.ext["rref"].snapshot() for a in agents]
+
+
+# -- the four scenarios, end to end -----------------------------------------------------
+def test_user_to_owner(group) -> None:
+    a, b, _ = group
+    r = remote(a, "b", Tracked, ("u2o",), {}, -1)
+    assert a.rpc_async("b", role_and_tag, (r,)).wait() == (True, "u2o")
+    assert poll_for(lambda: not a.ext["rref"].state.children)  # the owner accepted
+    assert not freed("u2o")
+    del r
+    assert poll_for(lambda: freed("u2o"))
+
+
+def test_owner_to_user(group) -> None:
+    a, b, _ = group
+    r = a.rpc_async("b", make_owned, ("o2u",)).wait()  # the owner made it, returned it
+    assert not r.is_owner() and r.owner_name() == "b" and r.confirmed_by_owner()
+    assert r.to_here().tag == "o2u" and not freed("o2u")
+    del r
+    assert poll_for(lambda: freed("o2u"))
+
+
+def test_user_to_user(group) -> None:
+    a, b, c = group
+    r = remote(a, "b", Tracked, ("u2u",), {}, -1)
+    fut = a.rpc_async("c", keep_for, (r, 0.3))
+    del r  # the parent lets go while c still uses its fork (0.3 s later)
+    assert fut.wait() == "u2u"
+    snap = b.ext["rref"].snapshot()["owned"]
+    assert not snap or all(h == "c" for h in snap[0]["forks"].values())
+    assert poll_for(lambda: freed("u2u"))
+
+
+def test_nested_calls_containers_and_rrefs_inside_values(group) -> None:
+    a, b, c = group
+    r1 = remote(a, "b", Tracked, ("n1",), {}, -1)
+    r2 = remote(a, "c", Tracked, ("n2",), {}, -1)
+    assert a.rpc_async("c", forward, (r1, "b")).wait() == "n1"  # a → c → b (owner)
+    assert a.rpc_async("b", forward, (r2, "a")).wait() == "n2"  # a → b → a (a user)
+    assert a.rpc_async("c", tags_in, ({"refs": [r1, r2, r1]},)).wait() == ["n1", "n1", "n2"]
+    outer = remote(a, "c", hold, (r1,), {}, -1)  # c's value holds a fork of r1
+    del r1
+    inner = outer.to_here()["inner"]  # c forks it to a again
+    assert inner.to_here().tag == "n1" and not freed("n1")
+    del outer
+    assert not freed("n1")
+    del inner
+    assert poll_for(lambda: freed("n1"))
+    del r2
+    assert poll_for(lambda: freed("n2"))
+
+
+def test_rref_local_value_to_self_and_back(group) -> None:
+    a, _, _ = group
+    set_default_agent(a)  # RRef(value) outside an agent's threads uses the default
+    try:
+        mine = RRef(Tracked("mine"))
+    finally:
+        set_default_agent(None)
+    assert mine.is_owner() and mine.local_value().tag == "mine"
+    assert a.rpc_async("a", tag_of, (mine,)).wait() == "mine"  # owner → itself
+    assert a.rpc_async("c", role_and_tag, (mine,)).wait() == (False, "mine")  # owner → user
+    del mine
+    assert poll_for(lambda: freed("mine"))
+
+
+def test_creation_error_reraised_by_to_here_proxies_and_forks(group) -> None:
+    a, _, _ = group
+    r = remote(a, "b", fail, ("creation failed",), {}, -1)
+    with pytest.raises(ValueError, match="creation failed"):
+        r.to_here()
+    with pytest.raises(ValueError, match="creation failed"):
+        r.rpc_sync().anything()
+    with pytest.raises(ValueError, match="creation failed"):
+        a.rpc_async("c", tag_of, (r,)).wait()
+
+
+def test_pickling_outside_rpc_is_refused_with_the_fix(group) -> None:
+    a, _, _ = group
+    r = remote(a, "b", Tracked, ("pk",), {}, -1)
+    with pytest.raises(NbrpcError, match=r"only be pickled inside an RPC.*to_here\(\)"):
+        pickle.dumps(r)
+    del r
+    assert poll_for(lambda: freed("pk"))
+
+
+def test_repr_snapshot_and_events(group) -> None:
+    a, b, c = group
+    r = remote(a, "b", Tracked, ("snap", 4096), {}, -1)
+    assert poll_for(r.confirmed_by_owner)
+    assert repr(r).startswith(f"RRef(id={r._id}, owner='b', user fork") and "confirmed" in repr(r)
+    fut = a.rpc_async("c", keep_for, (r, 0.5))
+    rid = r._id
+    assert poll_for(lambda: len(b.ext["rref"].state.owned[rid].forks) == 2)
+    owned = b.snapshot()["rrefs"]["owned"][0]
+    assert owned["state"] == "ready" and owned["type"].endswith("Tracked")
+    assert owned["nbytes"] >= 4096 and "test_rref_inprocess.py" in owned["site"]
+    assert sorted(owned["forks"].values()) == ["a", "c"]
+    users = c.snapshot()["rrefs"]["users"]
+    assert users[0]["owner"] == "b" and users[0]["parent"] == "a"
+    assert fut.wait() == "snap"
+    events = {e["event"] for e in a.snapshot(events=None)["events"]}
+    assert {"rref-forked", "rref-confirmed"} <= events
+    assert {"rref-created"} <= {e["event"] for e in b.snapshot(events=None)["events"]}
+    del r, fut
+    assert poll_for(lambda: freed("snap"))
+    assert "rref-deleted" in {e["event"] for e in b.snapshot(events=None)["events"]}
+    assert "rref-delete-sent" in {e["event"] for e in a.snapshot(events=None)["events"]}
+
+
+def test_large_values_are_freed() -> None:
+    with local_group(["a", "b"]) as (a, b):
+        refs = [remote(a, "b", torch.zeros, (1 << 20,), {}, -1) for _ in range(20)]  # 4 MB each
+        assert all(r.to_here().shape == (1 << 20,) for r in refs[:2])
+        assert poll_for(lambda: len(b.ext["rref"].state.owned) == 20)
+        values = [weakref.ref(e.value.value()) for e in b.ext["rref"].state.owned.values()]
+        del refs
+        gc.collect()
+        assert poll_for(lambda: all(v() is None for v in values))
+        assert b.ext["rref"].state.deleted == 20
+
+
+# -- failures ---------------------------------------------------------------------
+FAULTS = [("rref_fork", False), ("rref_fork", True), ("rref_child_accept", False),
+          ("rref_child_accept", True), ("rref_delete", False), ("rref_delete", True)]
+
+
+@pytest.mark.parametrize("action", ["drop", "delay"])
+@pytest.mark.parametrize("op,reply", FAULTS)
+def test_fault_once_no_premature_delete_no_leak(group, op, reply, action) -> None:
+    """Drop or delay (by 0.3 s) one fork request, accept or delete, or its
+    reply: the value stays alive while anyone holds it, and is freed after
+    the retries."""
+    a, b, c = group
+    tag = f"{op}-{reply}-{action}"
+    for agent in group:
+        agent.faults.add(op, action, delay=0.3, reply=reply)
+    r = remote(a, "b", Tracked, (tag,), {}, -1)
+    fut = a.rpc_async("c", keep_for, (r, 0.4))
+    del r
+    assert fut.wait() == tag  # c's fork still works 0.4 s after a let go
+    del fut
+    assert poll_for(lambda: freed(tag), timeout=8)
+    assert any(agent.faults.fired for agent in group)
+
+
+def test_user_call_is_never_retried(group) -> None:
+    a, _, _ = group
+    a.faults.add("call", "drop")
+    with pytest.raises(Exception, match="timeout"):
+        a.rpc_async("b", tag_of, (), timeout=0.3).wait()
+
+
+def test_owner_death_fails_rref_operations_promptly() -> None:
+    with local_group(["a", "b", "c"], heartbeat_interval=0.1, failure_timeout=0.5) as (a, b, c):
+        r = remote(a, "b", Tracked, ("dies",), {}, -1)
+        assert r.to_here().tag == "dies"
+        b.shutdown(graceful=False)  # stops answering, as a killed process would
+        t0 = time.monotonic()
+        assert poll_for(lambda: "b" not in a._by_name, timeout=3)
+        assert time.monotonic() - t0 < 2
+        with pytest.raises(WorkerGoneError, match=r"'b' died.*owned RRef"):
+            r.to_here()
+        with pytest.raises(WorkerGoneError, match="'b' died"):
+            r.rpc_sync().get()
+        assert r.owner_name() == "b" and "owner-gone" in repr(r)
+        del r
+        assert poll_for(lambda: not a.ext["rref"].state.users)
+
+
+def test_dead_user_forks_are_released_by_the_owner() -> None:
+    with local_group(["a", "b", "c"], heartbeat_interval=0.1, failure_timeout=0.5) as (a, b, c):
+        r = remote(a, "b", Tracked, ("orphan",), {}, -1)
+        held = remote(c, "b", Tracked, ("held-by-c",), {}, -1)
+        assert a.rpc_async("c", tag_of, (r,)).wait() == "orphan"
+        del r
+        assert held.to_here().tag == "held-by-c"
+        c.shutdown(graceful=False)  # dies holding a fork of "held-by-c"
+        assert poll_for(lambda: freed("orphan") and freed("held-by-c"), timeout=4)
+        del held
+
+
+def test_graceful_shutdown_waits_for_in_flight_deletes() -> None:
+    with local_group(["a", "b"]) as (a, b):
+        refs = [remote(a, "b", Tracked, (f"late{i}",), {}, -1) for i in range(30)]
+        a.faults.add("rref_delete", "delay", delay=0.2, times=5)
+        del refs  # the deletes are queued, some delayed, as shutdown starts
+    assert b.ext["rref"].state.owned == {} and b.ext["rref"].state.deleted == 30
+
+
+def test_shutdown_deletes_user_rrefs_still_held_and_reports_them() -> None:
+    with local_group(["a", "b"]) as (a, b):
+        kept = remote(a, "b", Tracked, ("kept",), {}, -1)
+        assert kept.to_here().tag == "kept"
+        with pytest.warns(RRefLeakWarning, match=r"still alive on 'a'") as record:
+            stopper = threading.Thread(target=b.shutdown)
+            stopper.start()
+            a.shutdown(leak_check=True)
+            stopper.join(10)
+    rrefs = record[0].message.rrefs
+    assert rrefs[0]["role"] == "user" and "test_rref_inprocess.py" in rrefs[0]["site"]
+    assert b.ext["rref"].state.owned == {}  # deleted at shutdown, as PyTorch does
+    del kept
