@@ -48,3 +48,40 @@ def release() -> bool:
 def wait_released(timeout: float) -> bool:
     """Rank 1 blocks here (bounded) while it serves rank 0's calls."""
     return _released.wait(timeout)
+
+
+# -- the create/fork/delete cycles ---------------------------------------------------
+_made: list[int] = []  # the generation of every Value built on this worker by remote()
+_freed: list[int] = []  # ... and of every one freed (list.append is atomic: no lock in __del__)
+
+
+class Value:
+    """A small value that counts, on the worker that built it, its own
+    creation and its freeing (``__del__``). Copies made by pickling (what
+    ``to_here()`` returns) are built with ``home=False`` and count nothing,
+    so a worker that is both an owner and a user counts only what it owns.
+    ``gen`` tells apart the values of successive rounds."""
+
+    __slots__ = ("gen", "i", "home")
+
+    def __init__(self, gen: int, i: int, home: bool = True) -> None:
+        self.gen, self.i, self.home = gen, i, home
+        if home:
+            _made.append(gen)
+
+    def __reduce__(self) -> tuple:
+        return (Value, (self.gen, self.i, False))
+
+    def __del__(self) -> None:
+        if self.home:
+            _freed.append(self.gen)
+
+
+def value_counts(gen: int) -> tuple[int, int]:
+    """(built, freed) Values of generation ``gen`` owned by this worker."""
+    return _made.count(gen), _freed.count(gen)
+
+
+def use(rref: Any) -> int:
+    """Runs on the worker an RRef was forked to: fetch the value, return its index."""
+    return rref.to_here().i

@@ -7,11 +7,12 @@ the table as Markdown for the README.
 For each library the script starts two processes with
 ``torch.multiprocessing.spawn``; each calls
 ``init_rpc("workerN", rank=N, world_size=2)`` with ``MASTER_ADDR=127.0.0.1``
-and a free ``MASTER_PORT`` (a different one per library) and the library's
-default backend options (TensorPipe for torch). Each process imports only
+and a free ``MASTER_PORT`` (a different one per run) and the library's
+default backend options (TensorPipe for torch). The create/fork/delete
+cycles (7.) run afterwards in a group of their own, of three processes. Each process imports only
 its own RPC library (``from nbrpc import rpc`` or
 ``import torch.distributed.rpc as rpc``). Rank 0 measures and writes its
-results to a JSON file that this process reads; rank 1 only serves. The
+results to a JSON file that this process reads; the others only serve. The
 remote functions live in ``_targets.py`` so both libraries pickle them by
 reference.
 
@@ -23,7 +24,9 @@ What is measured (rank 0 calling rank 1 over loopback):
 3. Echo of a float32 tensor of 4 KB, 1 MB and 64 MB (1 MB = 2**20 bytes):
    median round trip and bandwidth = 2 * size / median round trip
    (the tensor travels there and back; GB/s = 1e9 bytes/s).
-4. ``remote()`` + ``RRef.to_here()`` of a small value: median (µs).
+4. ``remote()`` + ``RRef.to_here()`` of a small value: median (µs). The
+   RRef is dropped at once; afterwards (untimed) a few more are made and the
+   owner must free them all (else it is listed as a problem).
 5. Start-up: from the first statement of the spawned function (``torch`` is
    already imported there by ``spawn``) to ``init_rpc`` returning, median
    over the two workers (ms). It includes the import of the RPC library,
@@ -32,6 +35,16 @@ What is measured (rank 0 calling rank 1 over loopback):
 6. Memory: VmRSS increase of an agent over ``import torch`` after
    ``init_rpc`` and a few no-op calls, before any big tensor was sent (MiB),
    for the caller (rank 0) and the idle server (rank 1).
+7. Create/fork/delete cycles across three workers (ranks 0, 1, 2): rank 0
+   runs ``fork_cycles`` cycles of ``rref = remote(owner, Value, ...)`` (the
+   owner alternates between workers 1 and 2), ``rpc_sync(other, use,
+   args=(rref,))`` (forks the RRef to the other one, which calls
+   ``to_here()``), ``del rref``; the clock stops when both owners have freed
+   all their values (counted by ``Value.__del__`` there, polled by rank 0
+   with ``rpc_sync`` every ~1 ms, polls included). Median over a few rounds
+   (ms), and how much of it was waiting for the frees after the last cycle.
+   Values not freed within ``fork_deadline_s`` of the last cycle are a
+   failure (no number).
 
 The targets from the issue are printed next to the metrics they apply to.
 Every loop is bounded, and each library's run is killed after ``--timeout``
@@ -67,6 +80,7 @@ import torch.multiprocessing as mp
 LIBRARIES = ("nbrpc", "torch")
 MODULES = {"nbrpc": "nbrpc.rpc", "torch": "torch.distributed.rpc"}
 PEER = "worker1"
+OWNERS = ("worker1", "worker2")  # of the create/fork/delete cycles
 ECHO_SIZES = {"4 KB": 4 << 10, "1 MB": 1 << 20, "64 MB": 64 << 20}
 
 
@@ -81,6 +95,11 @@ class Config:
     echo: dict[str, tuple[int, int]] = dataclasses.field(default_factory=lambda: {
         "4 KB": (50, 1000), "1 MB": (10, 200), "64 MB": (2, 10)})
     remote: tuple[int, int] = (50, 500)
+    remote_free_check: int = 20  # remote() + to_here() afterwards, whose values must be freed
+    fork_cycles: int = 150
+    fork_rounds: tuple[int, int] = (1, 5)  # (warm-up, timed) rounds of fork_cycles cycles
+    fork_deadline_s: float = 60.0  # the frees must be over this long after the last cycle
+    fork_poll_s: float = 0.001
     idle_calls: int = 20
     import_runs: int = 3
     serve_timeout_s: float = 80.0  # rank 1 serves at most this long
@@ -88,7 +107,7 @@ class Config:
 
 QUICK = Config(sync=(20, 200), async_calls=500, async_rounds=1,
                echo={"4 KB": (5, 50), "1 MB": (2, 10), "64 MB": (1, 3)},
-               remote=(10, 50), import_runs=1)
+               remote=(10, 50), fork_rounds=(1, 1), import_runs=1)
 
 
 # -- helpers (both sides) ----------------------------------------------------------
@@ -185,18 +204,101 @@ def bench_remote(rpc: Any, cfg: Config, failures: list[str]) -> dict[str, float]
     return {"remote_median_us": statistics.median(samples) * 1e6}
 
 
-def measure(rpc: Any, cfg: Config, rec: dict[str, Any], save: Callable[[], None]) -> None:
-    """Run every benchmark on rank 0 into ``rec["metrics"]`` and ``rec["errors"]``
+class NotFreed(Exception):
+    """Values an owner built were not all freed in time."""
+
+
+class RoundFailed(Exception):
+    """A round of create/fork/delete cycles raised."""
+
+
+def wait_freed(rpc: Any, gen: int, expected: dict[str, int], deadline: float,
+               poll_s: float) -> dict[str, tuple[int, int]]:
+    """Poll each owner (``rpc_sync``, every ``poll_s``) until it has freed
+    ``expected[owner]`` Values of generation ``gen``; past ``deadline``
+    (``time.perf_counter()``) raise :class:`NotFreed`. The last (built, freed)."""
+    counts: dict[str, tuple[int, int]] = {}
+    left = set(expected)
+    while True:
+        for name in sorted(left):
+            counts[name] = tuple(rpc.rpc_sync(name, _targets.value_counts, args=(gen,)))
+            if counts[name][1] >= expected[name]:
+                left.discard(name)
+        if not left:
+            return counts
+        if time.perf_counter() > deadline:
+            raise NotFreed("; ".join(f"{name} freed {counts[name][1]} of {expected[name]} "
+                                     f"values ({counts[name][0]} built)" for name in expected))
+        time.sleep(poll_s)
+
+
+def check_counts(counts: dict[str, tuple[int, int]], expected: dict[str, int]) -> None:
+    for name, want in expected.items():
+        if counts[name] != (want, want):
+            raise AssertionError(f"{name} built {counts[name][0]} and freed {counts[name][1]} "
+                                 f"values; expected {want} of each")
+
+
+def check_remote_frees(rpc: Any, cfg: Config, failures: list[str]) -> dict[str, float]:
+    """Untimed: ``remote(PEER, Value).to_here()`` as in :func:`bench_remote`;
+    the owner must free every value (within 10 s)."""
+    gen, n = -1, cfg.remote_free_check
+    for i in range(n):
+        value = rpc.remote(PEER, _targets.Value, args=(gen, i)).to_here()
+        if not (isinstance(value, _targets.Value) and value.i == i and not value.home):
+            raise AssertionError(f"remote(Value).to_here() returned {value!r}")
+    del value
+    counts = wait_freed(rpc, gen, {PEER: n}, time.perf_counter() + 10.0, cfg.fork_poll_s)
+    check_counts(counts, {PEER: n})
+    return {}
+
+
+def fork_round(rpc: Any, gen: int, cfg: Config) -> tuple[float, float]:
+    """``cfg.fork_cycles`` create/fork/delete cycles, then wait until both owners
+    have freed every value. (Total, waiting after the last cycle) in seconds."""
+    expected = {name: len(range(k, cfg.fork_cycles, 2)) for k, name in enumerate(OWNERS)}
+    t0 = time.perf_counter()
+    for i in range(cfg.fork_cycles):
+        owner, other = OWNERS[i % 2], OWNERS[1 - i % 2]
+        rref = rpc.remote(owner, _targets.Value, args=(gen, i))
+        got = rpc.rpc_sync(other, _targets.use, args=(rref,))
+        del rref
+        if got != i:
+            raise AssertionError(f"cycle {i}: use(rref) on {other} returned {got!r}")
+    t_cycles = time.perf_counter()
+    counts = wait_freed(rpc, gen, expected, t_cycles + cfg.fork_deadline_s, cfg.fork_poll_s)
+    done = time.perf_counter()
+    check_counts(counts, expected)  # after the clock: built once, freed once
+    return done - t0, done - t_cycles
+
+
+def bench_fork(rpc: Any, cfg: Config, rec: dict[str, Any]) -> dict[str, float]:
+    """Warm-up and timed rounds of :func:`fork_round`; the first failure ends them
+    (values may still be alive). Each timed round also goes to ``rec["fork_rounds_ms"]``."""
+    warmup, timed = cfg.fork_rounds
+    rounds: list[list[float]] = rec.setdefault("fork_rounds_ms", [])
+    for gen in range(warmup + timed):
+        try:
+            total, waiting = fork_round(rpc, gen, cfg)
+        except NotFreed as e:
+            raise NotFreed(f"round {gen + 1} ({'warm-up' if gen < warmup else 'timed'}): not "
+                           f"all values freed {cfg.fork_deadline_s:g} s after the last "
+                           f"cycle: {e}") from None
+        except Exception as e:
+            raise RoundFailed(f"round {gen + 1}: {type(e).__name__}: {e}") from e
+        if gen >= warmup:
+            rounds.append([total * 1e3, waiting * 1e3])
+    return {"fork_total_ms": statistics.median(r[0] for r in rounds),
+            "fork_wait_ms": statistics.median(r[1] for r in rounds)}
+
+
+Step = Callable[[list[str]], dict[str, float]]
+
+
+def run_steps(steps: list[tuple[str, int, Step]], rec: dict[str, Any],
+              save: Callable[[], None]) -> None:
+    """Run benchmarks on rank 0 into ``rec["metrics"]`` and ``rec["errors"]``
     (problems by benchmark), saving after each one."""
-    Step = Callable[[list[str]], dict[str, float]]
-    steps: list[tuple[str, int, Step]] = [
-        ("rpc_sync", sum(cfg.sync), lambda f: bench_sync(rpc, cfg, f)),
-        ("rpc_async", 0, lambda f: bench_async(rpc, cfg, f)),
-    ]
-    for label, reps in cfg.echo.items():
-        steps.append((f"echo {label}", sum(reps),
-                      lambda f, label=label, reps=reps: bench_echo(rpc, label, reps, f)))
-    steps.append(("remote", sum(cfg.remote), lambda f: bench_remote(rpc, cfg, f)))
     metrics: dict[str, float] = rec.setdefault("metrics", {})
     errors: dict[str, str] = rec.setdefault("errors", {})
     for name, calls, step in steps:
@@ -207,6 +309,20 @@ def measure(rpc: Any, cfg: Config, rec: dict[str, Any], save: Callable[[], None]
         except Exception as e:
             errors[name] = f"{type(e).__name__}: {e}"
         save()
+
+
+def measure(rpc: Any, cfg: Config, rec: dict[str, Any], save: Callable[[], None]) -> None:
+    """The two-worker benchmarks (rank 0 calling rank 1)."""
+    steps: list[tuple[str, int, Step]] = [
+        ("rpc_sync", sum(cfg.sync), lambda f: bench_sync(rpc, cfg, f)),
+        ("rpc_async", 0, lambda f: bench_async(rpc, cfg, f)),
+    ]
+    for label, reps in cfg.echo.items():
+        steps.append((f"echo {label}", sum(reps),
+                      lambda f, label=label, reps=reps: bench_echo(rpc, label, reps, f)))
+    steps.append(("remote", sum(cfg.remote), lambda f: bench_remote(rpc, cfg, f)))
+    steps.append(("remote frees", 0, lambda f: check_remote_frees(rpc, cfg, f)))
+    run_steps(steps, rec, save)
 
 
 def cold_import_s(lib: str, runs: int) -> tuple[float | None, str | None]:
@@ -227,7 +343,8 @@ def cold_import_s(lib: str, runs: int) -> tuple[float | None, str | None]:
 
 
 # -- the spawned worker ------------------------------------------------------------
-def _worker(rank: int, lib: str, port: int, outdir: str, cfg: Config) -> None:
+def _worker(rank: int, lib: str, port: int, outdir: str, cfg: Config,
+            world_size: int = 2) -> None:
     t_start = time.perf_counter()  # first statement: the process is up, torch imported
     warnings.filterwarnings("ignore", message="You are using a Backend", category=UserWarning)
     rec: dict[str, Any] = {"rank": rank, "rss_torch_mb": _targets.rss_mb()}  # spawn imported torch
@@ -244,13 +361,13 @@ def _worker(rank: int, lib: str, port: int, outdir: str, cfg: Config) -> None:
     rec["rss_lib_mb"] = _targets.rss_mb()  # before init_rpc
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     t = time.perf_counter()
-    rpc.init_rpc(f"worker{rank}", rank=rank, world_size=2)
+    rpc.init_rpc(f"worker{rank}", rank=rank, world_size=world_size)
     done = time.perf_counter()
     rec.update(init_call_s=done - t, start_to_init_s=done - t_start)
     save()
     try:
         if rank == 0:
-            _lead(rpc, cfg, rec, save)
+            (_lead if world_size == 2 else _lead_fork)(rpc, cfg, rec, save)
         else:
             rec["released"] = _targets.wait_released(cfg.serve_timeout_s)
     finally:
@@ -279,15 +396,33 @@ def _lead(rpc: Any, cfg: Config, rec: dict[str, Any], save: Callable[[], None]) 
             rec.setdefault("errors", {})["release"] = f"{type(e).__name__}: {e}"
 
 
+def _lead_fork(rpc: Any, cfg: Config, rec: dict[str, Any], save: Callable[[], None]) -> None:
+    """Rank 0 of the three-worker group: the create/fork/delete cycles, then
+    release ranks 1 and 2."""
+    try:
+        run_steps([("create/fork/delete cycles", 0, lambda f: bench_fork(rpc, cfg, rec))],
+                  rec, save)
+    except Exception:
+        rec["fatal"] = traceback.format_exc()
+    finally:
+        for peer in OWNERS:
+            try:
+                rpc.rpc_sync(peer, _targets.release)
+            except Exception as e:
+                rec.setdefault("errors", {})[f"release {peer}"] = f"{type(e).__name__}: {e}"
+
+
 # -- the parent --------------------------------------------------------------------
-def run_library(lib: str, port: int, cfg: Config, limit_s: float) -> dict[str, Any]:
-    """Spawn the two workers of ``lib``, wait (bounded) and collect their records."""
+def run_library(lib: str, port: int, cfg: Config, limit_s: float,
+                world_size: int = 2) -> dict[str, Any]:
+    """Spawn the workers of ``lib``, wait (bounded) and collect their records."""
     with tempfile.TemporaryDirectory(prefix=f"bench_{lib}_") as outdir:
         t = time.perf_counter()
-        problem = _join_bounded(mp.spawn(_worker, args=(lib, port, outdir, cfg), nprocs=2,
-                                         join=False), limit_s)
-        result: dict[str, Any] = {"wall_s": time.perf_counter() - t, "problem": problem}
-        for rank in (0, 1):
+        problem = _join_bounded(mp.spawn(_worker, args=(lib, port, outdir, cfg, world_size),
+                                         nprocs=world_size, join=False), limit_s)
+        result: dict[str, Any] = {"wall_s": time.perf_counter() - t, "problem": problem,
+                                  "world_size": world_size}
+        for rank in range(world_size):
             path = Path(outdir) / f"rank{rank}.json"
             result[f"rank{rank}"] = _read_record(path)
     return result
@@ -362,7 +497,7 @@ def _over_torch(res: dict[str, Any], rank: int) -> float | None:
     return None if idle is None or base is None else idle - base
 
 
-def build_rows(nb: dict[str, Any], tc: dict[str, Any]) -> list[Row]:
+def build_rows(nb: dict[str, Any], tc: dict[str, Any], cfg: Config) -> list[Row]:
     def pair(get: Callable[[dict[str, Any]], float | None]) -> tuple[float | None, float | None]:
         return get(nb), get(tc)
 
@@ -386,8 +521,16 @@ def build_rows(nb: dict[str, Any], tc: dict[str, Any]) -> list[Row]:
         rows.append(Row(f"echo {label} tensor, bandwidth (GB/s)", *metric(f"echo_{label}_gbps"),
                         fmt="{:.3f}", target="ratio ≥ 2" if big else "",
                         test=(lambda x: x >= 2.0) if big else None))
+    def fork(key: str) -> tuple[float | None, float | None]:
+        return pair(lambda r: _metric(r["fork"], key) if r.get("fork") else None)
+
+    n = cfg.fork_cycles
     rows += [
         Row("remote() + to_here(), median (µs)", *metric("remote_median_us")),
+        Row(f"{n} create/fork/delete cycles, 3 workers, until all freed (ms)",
+            *fork("fork_total_ms")),
+        Row("… of which waiting for the frees after the last cycle (ms)",
+            *fork("fork_wait_ms"), fmt="{:.2f}"),
         Row("import of the RPC library, torch already imported (ms)", *ranks("import_s"),
             ratio_ok=False),
         Row("import of the RPC library in a fresh interpreter (ms)",
@@ -458,11 +601,19 @@ def describe(cfg: Config, quick: bool, markdown: bool) -> str:
     lines = [
         f"nbrpc vs torch.distributed.rpc (TensorPipe, default options){' [--quick]' if quick else ''}",
         f"torch {torch.__version__}, Python {platform.python_version()}, "
-        f"{os.cpu_count()} CPUs, {platform.machine()}; 2 processes on 127.0.0.1; load average "
+        f"{os.cpu_count()} CPUs, {platform.machine()}; 2 processes (3 for the cycles) on "
+        f"127.0.0.1; load average "
         f"at the end {os.getloadavg()[0]:.2f} (other work on the machine skews the numbers)",
         f"iterations (warm-up+timed): rpc_sync {cfg.sync[0]}+{cfg.sync[1]}; rpc_async "
         f"{cfg.async_rounds} round(s) of {cfg.async_calls} calls, ≤{cfg.async_window} in flight; "
-        f"echo {echo}; remote {cfg.remote[0]}+{cfg.remote[1]}",
+        f"echo {echo}; remote {cfg.remote[0]}+{cfg.remote[1]}; create/fork/delete "
+        f"{cfg.fork_rounds[0]}+{cfg.fork_rounds[1]} round(s) of {cfg.fork_cycles} cycles",
+        "create/fork/delete cycles: a separate group of 3 processes; rank 0 runs rref = "
+        "remote(owner, Value), rpc_sync(other, use, args=(rref,)) (use calls to_here()), "
+        "del rref, the owner alternating between ranks 1 and 2; the clock stops when "
+        "both owners have freed every value (Value.__del__ counts, polled by rank 0 "
+        f"every {cfg.fork_poll_s * 1e3:g} ms; not freed {cfg.fork_deadline_s:g} s after "
+        "the last cycle = a failure)",
         "bandwidth = 2 * tensor size / median round-trip time (GB/s = 1e9 bytes/s; "
         "1 MB = 2**20 bytes, float32 tensors)",
         "RSS over import torch: VmRSS after init_rpc + a few no-op calls minus VmRSS after "
@@ -476,21 +627,44 @@ def describe(cfg: Config, quick: bool, markdown: bool) -> str:
 def problems(results: dict[str, dict[str, Any]]) -> list[str]:
     out = []
     for lib, res in results.items():
-        if res["problem"]:
-            out.append(f"{lib}: {res['problem']}")
         if res.get("cold_import_error"):
             out.append(f"{lib}: import in a fresh interpreter failed: {res['cold_import_error']}")
-        for rank in (0, 1):
-            rec = res[f"rank{rank}"]
-            if not rec:
-                out.append(f"{lib}: rank {rank} wrote no results")
-            if rec.get("fatal"):
-                out.append(f"{lib}: rank {rank} failed:\n{rec['fatal']}")
-            for name, err in rec.get("errors", {}).items():
-                out.append(f"{lib}: {name}: {err}")
-            if rank == 1 and rec and rec.get("released") is False:
-                out.append(f"{lib}: rank 1 was never released (served until its timeout)")
+        out += _run_problems(lib, res)
+        if res.get("fork"):
+            out += _run_problems(f"{lib} (3 workers)", res["fork"])
     return out
+
+
+def _run_problems(who: str, res: dict[str, Any]) -> list[str]:
+    out = []
+    if res["problem"]:
+        out.append(f"{who}: {res['problem']}")
+    for rank in range(res["world_size"]):
+        rec = res[f"rank{rank}"]
+        if not rec:
+            out.append(f"{who}: rank {rank} wrote no results")
+        if rec.get("fatal"):
+            out.append(f"{who}: rank {rank} failed:\n{rec['fatal']}")
+        for name, err in rec.get("errors", {}).items():
+            out.append(f"{who}: {name}: {err}")
+        if rank > 0 and rec and rec.get("released") is False:
+            out.append(f"{who}: rank {rank} was never released (served until its timeout)")
+    return out
+
+
+def fork_rounds(all_results: list[dict[str, dict[str, Any]]], markdown: bool) -> str:
+    """Every timed round of the create/fork/delete cycles, by library and repetition."""
+    lines = ["create/fork/delete cycles, every timed round (total ms / of which waiting "
+             "for the frees ms):"]
+    for lib in LIBRARIES:
+        reps = []
+        for k, results in enumerate(all_results, 1):
+            rec = (results[lib].get("fork") or {}).get("rank0", {})
+            rounds = rec.get("fork_rounds_ms") or []
+            cells = ", ".join(f"{t:.0f}/{w:.1f}" for t, w in rounds) or "none"
+            reps.append(f"rep {k}: {cells}")
+        lines.append(f"{'  - ' if markdown else '  '}{lib}: " + "; ".join(reps))
+    return "\n".join(lines if not markdown else [f"- {lines[0]}", *lines[1:]])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -510,8 +684,12 @@ def main(argv: list[str] | None = None) -> int:
     cfg = dataclasses.replace(cfg, serve_timeout_s=limit)
     repeat = max(1, args.repeat or (1 if args.quick else 3))
     ports: set[int] = set()
+    # the three-worker group may wait fork_deadline_s for frees (once: a failure ends it)
+    fork_limit = limit + cfg.fork_deadline_s
+    fork_cfg = dataclasses.replace(cfg, serve_timeout_s=fork_limit)
     reps: list[list[Row]] = []
     issues: list[str] = []
+    all_results: list[dict[str, dict[str, Any]]] = []
     for rep in range(repeat):
         results: dict[str, dict[str, Any]] = {}
         for lib in LIBRARIES:
@@ -524,14 +702,24 @@ def main(argv: list[str] | None = None) -> int:
                 lib, cfg.import_runs)
             print(f"  {lib} done in {results[lib]['wall_s']:.1f} s", file=sys.stderr,
                   flush=True)
-        reps.append(build_rows(results["nbrpc"], results["torch"]))
+        for lib in LIBRARIES:
+            port = free_port(ports)
+            ports.add(port)
+            print(f"[{rep + 1}/{repeat}] running {lib}, 3 workers: create/fork/delete cycles "
+                  f"(MASTER_PORT={port}) ...", file=sys.stderr, flush=True)
+            fork = results[lib]["fork"] = run_library(lib, port, fork_cfg, fork_limit, 3)
+            print(f"  {lib} done in {fork['wall_s']:.1f} s", file=sys.stderr, flush=True)
+        reps.append(build_rows(results["nbrpc"], results["torch"], cfg))
         issues += problems(results)
+        all_results.append(results)
     rows = merge_repetitions(reps)
     print(describe(cfg, args.quick, args.markdown))
     print(f"{'- ' if args.markdown else ''}values: median over {repeat} alternating "
           "repetition(s); ratio range: lowest and highest per-repetition ratio")
     print()
     print(render_markdown(rows) if args.markdown else render_text(rows))
+    print()
+    print(fork_rounds(all_results, args.markdown))
     if issues:
         print("\nproblems:")
         print("\n".join(f"- {p}" for p in issues))

@@ -5,3 +5,7 @@ Importing nbrpc starts nothing: no threads, no sockets, no zmq context until
 """
 
 __version__ = "0.1.0"
+
+# Layers that install themselves into every agent (request handlers, state):
+# imported here so that an agent made through any entry point has them all.
+from . import rref as _rref  # noqa: E402,F401

@@ -1,4 +1,12 @@
-"""Plain-data views of agents, for scripts, tests and (later) widgets.
+"""Plain-data views of agents and RRef lifetimes, for scripts, tests and widgets.
+
+Per worker: :func:`snapshot` (this one) and :func:`gather` (everyone). Merged
+across the group: :func:`rref_graph` (owners → users, with states),
+:func:`owner_map` (per worker, what it owns and who holds it),
+:func:`rref_table` (one flat row per reference), :func:`to_networkx`,
+:func:`why_alive` (which users, pending messages and Python references keep
+a value alive: IPython's ``Out`` history included) and :func:`forget_outputs`
+(let go of RRefs that IPython keeps because a cell displayed them).
 
 >>> from nbrpc import rpc, debug
 >>> rpc.init_rpc("d", rank=0, world_size=1, rpc_backend_options=rpc.api._free_port_options())
@@ -8,14 +16,25 @@
 ('d', True)
 >>> [w["name"] for w in debug.gather()]
 ['d']
+>>> kept = rpc.remote("d", list, args=("ab",))
+>>> [row["type"] for row in debug.owner_map()["d"]]
+['builtins.list']
+>>> debug.why_alive(kept)["reasons"][0]
+"owner-side RRef object(s) on 'd': 1"
 >>> rpc.shutdown()
 """
 
 from __future__ import annotations
 
+import gc
+import sys
+import types
 from typing import Any
 
 from .agent import current_agent
+from .rref import RRef
+
+Graph = dict[str, Any]
 
 
 def snapshot(events: int | None = 200) -> dict[str, Any]:
@@ -34,3 +53,243 @@ def gather(events: int | None = 200, timeout: float = 10.0) -> list[dict[str, An
             for w in agent.worker_infos()]
     return [f.wait() for f in futs]
 
+
+# -- the RRef graph --------------------------------------------------------------
+def rref_graph(snapshots: list[dict[str, Any]] | None = None) -> Graph:
+    """Every RRef in the group as plain data.
+
+    ``values``: rref id → owner, state, type, size, creation site, age,
+    owner-side object count, and ``users`` (fork id → holding worker).
+    ``users``: every user fork with its worker, owner, parent, state.
+    ``pending``: forks sent but not yet accepted (parent → child).
+    ``edges``: (owner, holder, rref id, fork id, state) for drawing.
+    """
+    snaps = gather(events=0) if snapshots is None else snapshots
+    values: dict[str, dict[str, Any]] = {}
+    users: list[dict[str, Any]] = []
+    pending: list[dict[str, Any]] = []
+    for snap in snaps:
+        rr = snap.get("rrefs", {})
+        for v in rr.get("owned", []):
+            values[v["rref_id"]] = {
+                "owner": snap["name"], "state": v["state"], "type": v["type"],
+                "nbytes": v["nbytes"], "site": v["site"], "age": v["age"],
+                "owner_refs": v["owner_refs"], "users": dict(v["forks"])}
+        for u in rr.get("users", []):
+            users.append({**{k: u[k] for k in ("rref_id", "fork_id", "owner", "parent",
+                                                "state", "site")}, "worker": snap["name"]})
+        for c in rr.get("children", []):
+            pending.append({"fork_id": c["fork_id"], "from": snap["name"], "to": c["to"],
+                            "age": c["age"]})
+    state_of = {(u["worker"], u["fork_id"]): u["state"] for u in users}
+    edges = [(v["owner"], holder, rid, fork, state_of.get((holder, fork), "registered"))
+             for rid, v in sorted(values.items()) for fork, holder in sorted(v["users"].items())]
+    return {"values": values, "users": users, "pending": pending, "edges": edges}
+
+
+def owner_map(snapshots: list[dict[str, Any]] | None = None) -> dict[str, list[dict[str, Any]]]:
+    """Per worker, the values it owns: id, type, size, state, who holds them."""
+    snaps = gather(events=0) if snapshots is None else snapshots
+    graph = rref_graph(snaps)
+    out: dict[str, list[dict[str, Any]]] = {s["name"]: [] for s in snaps}
+    for rid, v in sorted(graph["values"].items()):
+        out.setdefault(v["owner"], []).append({
+            "rref_id": rid, "type": v["type"], "nbytes": v["nbytes"], "state": v["state"],
+            "held_by": sorted(set(v["users"].values())), "owner_refs": v["owner_refs"],
+            "site": v["site"]})
+    return out
+
+
+def rref_table(snapshots: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
+    """One row per reference (owner-side or user fork), sorted by id and worker."""
+    graph = rref_graph(snapshots)
+    rows = [{"rref_id": rid, "worker": v["owner"], "role": "owner", "fork_id": None,
+             "state": v["state"], "type": v["type"], "nbytes": v["nbytes"], "site": v["site"]}
+            for rid, v in graph["values"].items()]
+    for u in graph["users"]:
+        v = graph["values"].get(u["rref_id"], {})
+        rows.append({"rref_id": u["rref_id"], "worker": u["worker"], "role": "user",
+                     "fork_id": u["fork_id"], "state": u["state"], "type": v.get("type"),
+                     "nbytes": v.get("nbytes"), "site": u["site"]})
+    return sorted(rows, key=lambda r: (r["rref_id"], r["role"] != "owner", r["worker"]))
+
+
+def to_networkx(graph: Graph | None = None) -> Any:
+    """The RRef graph as a ``networkx.MultiDiGraph``: worker nodes and value nodes
+    (``"rref 0:3"``); edges owner → value (``owns``), value → holder (``held``,
+    with fork id and state), parent → child (``pending``)."""
+    import networkx as nx
+
+    graph = rref_graph() if graph is None else graph
+    g = nx.MultiDiGraph()
+    for rid, v in graph["values"].items():
+        node = f"rref {rid}"
+        g.add_node(v["owner"], kind="worker")
+        g.add_node(node, kind="value", **{k: v[k] for k in ("state", "type", "nbytes", "site")})
+        g.add_edge(v["owner"], node, kind="owns")
+        for fork, holder in v["users"].items():
+            g.add_node(holder, kind="worker")
+            g.add_edge(node, holder, kind="held", fork_id=fork)
+    for u in graph["users"]:
+        g.add_node(u["worker"], kind="worker")
+    for p in graph["pending"]:
+        g.add_edge(p["from"], p["to"], kind="pending", fork_id=p["fork_id"])
+    return g
+
+
+# -- why is this alive? ---------------------------------------------------------
+def why_alive(rref: Any, timeout: float = 10.0) -> dict[str, Any]:
+    """What keeps an RRef's value alive, across the group.
+
+    ``rref`` is an RRef or its id (``"0:3"``). Returns ``reasons`` (text, one
+    per cause: user forks and their holders, owner-side objects, pending
+    forks, deletes in flight), ``references`` (per worker, the Python
+    references to its RRef objects: variables, containers, IPython's ``Out``
+    history) and ``hints`` (how to let go).
+    """
+    agent = current_agent("debug.why_alive")
+    rid = str(getattr(rref, "_id", rref))
+    graph = rref_graph()
+    futs = {w.name: agent.rpc_async(w.id, _references_here, (rid,), timeout=timeout)
+            for w in agent.worker_infos()}
+    references = {name: f.wait() for name, f in futs.items()}
+    reasons: list[str] = []
+    hints: list[str] = []
+    value = graph["values"].get(rid)
+    if value is None:
+        reasons.append(f"RRef {rid} is owned by no live worker (already freed)")
+    else:
+        if value["owner_refs"]:
+            reasons.append(f"owner-side RRef object(s) on {value['owner']!r}: "
+                           f"{value['owner_refs']}")
+        for fork, holder in sorted(value["users"].items()):
+            u = next((u for u in graph["users"]
+                      if u["fork_id"] == fork and u["worker"] == holder), None)
+            state = u["state"] if u else "registered (its RRef not received yet)"
+            reasons.append(f"user fork {fork} held by {holder!r} ({state})")
+    for p in graph["pending"]:
+        if any(u["fork_id"] == p["fork_id"] and u["rref_id"] == rid for u in graph["users"]):
+            reasons.append(f"fork {p['fork_id']} sent by {p['from']!r} to {p['to']!r} "
+                           "is not accepted yet; the sender keeps its copy until then")
+    for u in graph["users"]:
+        if u["rref_id"] == rid and u["state"] == "deleting":
+            reasons.append(f"{u['worker']!r} sent a delete for fork {u['fork_id']}; "
+                           "it is in flight")
+    for worker, refs in references.items():
+        if any(r.startswith(("Out[", "IPython output")) for r in refs):
+            hints.append(
+                f"On {worker!r}, IPython's output history holds it (a cell displayed it): "
+                "run nbrpc.debug.forget_outputs() there, and end cells that show RRefs "
+                "with ';'. (%reset -f out is not enough: IPython keeps the last output "
+                "in a hidden namespace.)")
+        elif refs:
+            hints.append(f"On {worker!r}, delete these references: {', '.join(refs)}.")
+    return {"rref_id": rid, "reasons": reasons, "references": references, "hints": hints}
+
+
+def _references_here(rid: str) -> list[str]:
+    """Python references to this worker's RRef objects with id ``rid``."""
+    agent = current_agent()
+    live = list(agent.ext["rref"].live)
+    objs = [r for r in live if str(r._id) == rid]
+    del live
+    main = sys.modules.get("__main__")
+    user_ns = getattr(main, "__dict__", {})
+    out_hist = user_ns.get("Out") if isinstance(user_ns.get("Out"), dict) else None
+    found: list[str] = []
+    gc.collect()
+    here = sys._getframe()
+    for obj in objs:
+        for ref in gc.get_referrers(obj):
+            if ref is not objs:
+                found.extend(_describe_referrer(ref, obj, user_ns, out_hist))
+        # running functions' variables (their frames are not seen by the gc)
+        for frame in sys._current_frames().values():
+            for _ in range(64):  # bounded walk up each thread's stack
+                if frame is None:
+                    break
+                if frame is not here:
+                    for name, v in list(frame.f_locals.items()):
+                        if v is obj and frame.f_locals is not user_ns:
+                            found.append(f"local {name!r} in {frame.f_code.co_name} "
+                                         f"({frame.f_code.co_filename}:{frame.f_lineno})")
+                frame = frame.f_back
+    return sorted(set(found))
+
+
+def forget_outputs() -> int:
+    """Drop IPython's output-history references to RRefs in this process
+    (``Out[n]``, ``_``, ``__``, ``___``, ``_n``, the hidden namespace and the
+    display hook); returns how many were dropped. Nothing happens outside IPython.
+
+    >>> forget_outputs()
+    0
+    """
+    ns = getattr(sys.modules.get("__main__"), "__dict__", {})
+    get_ipython = ns.get("get_ipython")
+    shell = get_ipython() if callable(get_ipython) else None
+    if shell is None:
+        return 0
+    dropped = 0
+    for d in (ns, getattr(shell, "user_ns_hidden", {})):
+        for k in [k for k, v in d.items() if _is_output_name(k) and _has_rref(v)]:
+            d[k] = None
+            dropped += 1
+    out = ns.get("Out")
+    if isinstance(out, dict):
+        for k in [k for k, v in out.items() if _has_rref(v)]:
+            del out[k]
+            dropped += 1
+    hook = getattr(shell, "displayhook", None)
+    for attr in ("_", "__", "___"):
+        if _has_rref(getattr(hook, attr, None)):
+            setattr(hook, attr, None)
+    last = getattr(shell, "last_execution_result", None)
+    if last is not None and _has_rref(getattr(last, "result", None)):
+        last.result = None
+    gc.collect()
+    return dropped
+
+
+def _has_rref(v: Any) -> bool:
+    if isinstance(v, RRef):
+        return True
+    if isinstance(v, (list, tuple, set)):
+        return any(isinstance(x, RRef) for x in list(v)[:1000])
+    if isinstance(v, dict):
+        return any(isinstance(x, RRef) for x in list(v.values())[:1000])
+    return False
+
+
+def _is_output_name(key: Any) -> bool:
+    return isinstance(key, str) and (key in ("_", "__", "___") or (
+        key[:1] == "_" and key[1:].isdigit()))
+
+
+def _describe_referrer(ref: Any, obj: Any, user_ns: dict, out_hist: dict | None) -> list[str]:
+    if isinstance(ref, types.FrameType):
+        if ref.f_code.co_name in ("_references_here", "_describe_referrer"):
+            return []
+        names = [k for k, v in ref.f_locals.items() if v is obj]
+        where = f"{ref.f_code.co_name} ({ref.f_code.co_filename}:{ref.f_lineno})"
+        return [f"local {n!r} in {where}" for n in names] or [f"a frame of {where}"]
+    if isinstance(ref, dict):
+        keys = [k for k, v in ref.items() if v is obj]
+        if ref is out_hist:
+            return [f"Out[{k}]" for k in keys]
+        if ref is user_ns or "_oh" in ref:  # the user namespace, or IPython's hidden one
+            return [f"IPython output history ({k})" if _is_output_name(k)
+                    else f"global {k!r} in __main__" for k in keys]
+        mod = ref.get("__name__") if isinstance(ref.get("__name__"), str) else None
+        if mod and ref.get("__builtins__") is not None:
+            return [f"global {k!r} in module {mod}" for k in keys]
+        return [f"a dict (key {k!r})" for k in keys] or ["a dict"]
+    if isinstance(ref, (list, tuple, set)):
+        return [f"a {type(ref).__name__} of {len(ref)} item(s)"]
+    if type(ref).__name__ == "Child":
+        return [f"pending fork {ref.fork_id} to rank {ref.to} (until accepted)"]
+    if isinstance(ref, types.CellType):
+        return ["a closure"]
+    if type(ref).__module__.startswith("IPython."):
+        return [f"IPython output history ({type(ref).__name__})"]
+    return [f"a {type(ref).__module__}.{type(ref).__qualname__} object"]

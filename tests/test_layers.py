@@ -50,7 +50,9 @@ def test_layers_import_downward_only() -> None:
 def test_importing_nbrpc_starts_no_thread_and_no_socket() -> None:
     code = (
         "import threading, zmq\n"
-        "import nbrpc, nbrpc.rpc, nbrpc.debug\n"
+        "import nbrpc.agent, nbrpc.rpc, nbrpc.debug\n"
+        "from nbrpc.agent import Agent\n"
+        "assert 'rref' in Agent('x', 0, b'k' * 32, world_size=1).ext  # layers installed\n"
         "assert threading.active_count() == 1, threading.enumerate()\n"
         "assert zmq.Context._instance is None\n"
         "print('clean')\n"

@@ -1,0 +1,113 @@
+"""Seeing RRef lifetimes: the merged graph, owner map, table, networkx export,
+"why is this alive" (IPython's Out history included) and creation sites."""
+
+from __future__ import annotations
+
+import gc
+import sys
+
+import pytest
+from conftest import local_group, poll_for
+
+from nbrpc import debug
+from nbrpc.agent import set_default_agent
+from nbrpc.rref import RRef, remote
+
+
+class Box:
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+
+def use(rref: RRef, seconds: float) -> int:
+    import time
+
+    time.sleep(seconds)
+    return rref.to_here().n
+
+
+@pytest.fixture
+def trio_default():
+    with local_group(["a", "b", "c"]) as agents:
+        set_default_agent(agents[0])
+        try:
+            yield agents
+        finally:
+            set_default_agent(None)
+
+
+def test_graph_owner_map_table_and_networkx(trio_default) -> None:
+    a, b, c = trio_default
+    r1 = remote(a, "b", Box, (1,), {}, -1)
+    r2 = remote(a, "c", Box, (2,), {}, -1)
+    busy = a.rpc_async("c", use, (r1, 0.5))  # c holds a fork of r1 meanwhile
+    rid1, rid2 = str(r1._id), str(r2._id)
+    assert poll_for(lambda: len(debug.rref_graph()["values"].get(rid1, {}).get("users", {})) == 2)
+    graph = debug.rref_graph()
+    assert graph["values"][rid1]["owner"] == "b" and graph["values"][rid2]["owner"] == "c"
+    assert sorted(graph["values"][rid1]["users"].values()) == ["a", "c"]
+    assert {(e[0], e[1], e[2]) for e in graph["edges"]} == {
+        ("b", "a", rid1), ("b", "c", rid1), ("c", "a", rid2)}
+    omap = debug.owner_map()
+    assert list(omap) == ["a", "b", "c"] and omap["a"] == []
+    assert omap["b"][0]["held_by"] == ["a", "c"] and omap["b"][0]["type"].endswith("Box")
+    table = debug.rref_table()
+    assert [(r["rref_id"], r["worker"], r["role"]) for r in table if r["rref_id"] == rid1] == [
+        (rid1, "b", "owner"), (rid1, "a", "user"), (rid1, "c", "user")]
+    assert all("test_rref_debug.py" in r["site"] for r in table)
+    g = debug.to_networkx(graph)
+    assert g.nodes[f"rref {rid1}"]["kind"] == "value"
+    assert sorted(v for _, v, d in g.out_edges(f"rref {rid1}", data=True) if d["kind"] == "held") == [
+        "a", "c"]
+    assert busy.wait() == 1
+    del r1, r2, busy
+    gc.collect()
+    assert poll_for(lambda: debug.rref_graph()["values"] == {})
+
+
+def test_why_alive_names_users_and_variables(trio_default) -> None:
+    a, b, c = trio_default
+    kept = remote(a, "b", Box, (3,), {}, -1)
+    assert poll_for(kept.confirmed_by_owner)
+    why = debug.why_alive(kept)
+    assert why["reasons"] == [f"user fork {kept._fork} held by 'a' (confirmed)"]
+    assert any("'kept'" in ref for ref in why["references"]["a"]), why
+    assert why["references"]["b"] == [] and why["hints"]
+    rid = str(kept._id)
+    del kept
+    gc.collect()
+    assert poll_for(lambda: "already freed" in debug.why_alive(rid)["reasons"][0])
+
+
+def test_ipython_output_history_keeps_an_rref_alive_and_why_alive_says_so(trio_default) -> None:
+    """A cell that displays an RRef stores it in Out[n] (and _): deleting the
+    variable does not free the value, and why_alive points at Out."""
+    pytest.importorskip("IPython")
+    from IPython.core.interactiveshell import InteractiveShell
+
+    a, b, _ = trio_default
+    saved_main = sys.modules["__main__"]
+    shell = InteractiveShell.instance()
+    try:
+        shell.run_cell("from nbrpc.rpc import remote\nfrom test_rref_debug import Box", store_history=True)
+        shell.run_cell("r = remote('b', Box, args=(7,))", store_history=True)
+        shell.run_cell("r", store_history=True)  # displayed: now in Out
+        rref = shell.user_ns["r"]
+        assert rref._site.startswith("cell In[") and "line 1" in rref._site
+        rid = str(rref._id)
+        del rref
+        shell.run_cell("del r", store_history=True)
+        gc.collect()
+        why = debug.why_alive(rid)
+        assert any(ref.startswith("Out[") for ref in why["references"]["a"]), why
+        assert any("output history" in h and "forget_outputs()" in h for h in why["hints"])
+        assert rid in debug.rref_graph()["values"]  # still alive on b
+        shell.run_cell("%reset -f out", store_history=True)
+        gc.collect()
+        assert rid in debug.rref_graph()["values"]  # IPython's hidden namespace keeps `_`
+        shell.run_cell("import nbrpc.debug; nbrpc.debug.forget_outputs()", store_history=True)
+        assert poll_for(lambda: rid not in debug.rref_graph()["values"], timeout=5), \
+            debug.why_alive(rid)["references"]
+    finally:
+        InteractiveShell.clear_instance()
+        sys.modules["__main__"] = saved_main
