@@ -247,7 +247,6 @@ def check_remote_frees(rpc: Any, cfg: Config, failures: list[str]) -> dict[str, 
         value = rpc.remote(PEER, _targets.Value, args=(gen, i)).to_here()
         if not (isinstance(value, _targets.Value) and value.i == i and not value.home):
             raise AssertionError(f"remote(Value).to_here() returned {value!r}")
-    del value
     counts = wait_freed(rpc, gen, {PEER: n}, time.perf_counter() + 10.0, cfg.fork_poll_s)
     check_counts(counts, {PEER: n})
     return {}

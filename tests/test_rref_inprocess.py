@@ -213,7 +213,8 @@ def test_large_values_are_freed() -> None:
     with local_group(["a", "b"]) as (a, b):
         refs = [remote(a, "b", torch.zeros, (1 << 20,), {}, -1) for _ in range(20)]  # 4 MB each
         assert all(r.to_here().shape == (1 << 20,) for r in refs[:2])
-        assert poll_for(lambda: len(b.ext["rref"].state.owned) == 20)
+        owned = b.ext["rref"].state.owned
+        assert poll_for(lambda: len(owned) == 20 and all(e.value.done() for e in owned.values()))
         values = [weakref.ref(e.value.value()) for e in b.ext["rref"].state.owned.values()]
         del refs
         gc.collect()
