@@ -298,6 +298,73 @@ def rref_proxies(rpc):
             "owner": [rref.owner().name, rref.owner().id, rref.owner_name(), rref.is_owner()]}
 
 
+def _role_and_value(rref) -> list:
+    """Runs on the receiver of a forked RRef."""
+    value = rref.local_value().value if rref.is_owner() else rref.to_here().value
+    return [rref.is_owner(), rref.owner_name(), value]
+
+
+def _make_owner_rref(start: int):
+    return _RPC.RRef(_Counter(start))
+
+
+def _sum_rrefs(container: dict) -> int:
+    return sum(r.to_here().value if not r.is_owner() else r.local_value().value
+               for r in container["refs"])
+
+
+@_obs
+def rref_fork_user_to_owner(rpc):
+    rref = rpc.remote("w1", _Counter, args=(5,))
+    return rpc.rpc_sync("w1", _role_and_value, args=(rref,))
+
+
+@_obs
+def rref_fork_owner_to_user(rpc):
+    rref = rpc.rpc_sync("w1", _make_owner_rref, args=(7,))
+    return [rref.is_owner(), rref.owner_name(), rref.to_here().value,
+            rref.rpc_sync().add(1)]
+
+
+@_obs
+def rref_fork_user_to_itself(rpc):
+    rref = rpc.remote("w1", _Counter, args=(2,))
+    return rpc.rpc_sync("w0", _role_and_value, args=(rref,))
+
+
+@_obs
+def rref_local_owner_rref_forked_to_user(rpc):
+    rref = rpc.RRef(_Counter(3))
+    return [rref.is_owner(), rref.owner_name(), rref.local_value().value,
+            rpc.rpc_sync("w1", _role_and_value, args=(rref,))]
+
+
+@_obs
+def rref_nested_in_containers(rpc):
+    refs = [rpc.remote("w1", _Counter, args=(k,)) for k in (1, 2)] + [rpc.RRef(_Counter(4))]
+    return rpc.rpc_sync("w1", _sum_rrefs, args=({"refs": refs},))
+
+
+@_obs
+def rref_local_value_on_a_user(rpc):
+    rref = rpc.remote("w1", _Counter, args=(1,))
+    return _raises(rref.local_value)
+
+
+@_obs
+def rref_pickled_outside_rpc(rpc):
+    import pickle
+
+    rref = rpc.remote("w1", _Counter, args=(1,))
+    rref.to_here()
+    return _raises(lambda: pickle.dumps(rref))
+
+
+@_obs
+def rref_generic_annotation(rpc):
+    return rpc.RRef[int] is not None
+
+
 @_obs
 def async_execution_rpc_sync(rpc):
     return rpc.rpc_sync("w1", _async_add_chained, args=("w0", torch.ones(2), 1, 1)).tolist()
@@ -515,3 +582,15 @@ def test_unknown_worker_is_a_runtime_error(observed: dict, backend: str) -> None
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_runs_end_cleanly(observed: dict, backend: str) -> None:
     assert f"{backend}:error" not in observed, observed.get(f"{backend}:error")
+
+
+def test_rref_forks_pinned(observed: dict) -> None:
+    """The fork observations return values, not matching errors."""
+    for backend in BACKENDS:
+        assert _value(observed, backend, "rref_fork_user_to_owner") == [True, "w1", 5]
+        assert _value(observed, backend, "rref_fork_owner_to_user") == [False, "w1", 7, 8]
+        assert _value(observed, backend, "rref_fork_user_to_itself") == [False, "w1", 2]
+        assert _value(observed, backend, "rref_local_owner_rref_forked_to_user") == [
+            True, "w0", 3, [False, "w0", 3]]
+        assert _value(observed, backend, "rref_nested_in_containers") == 7
+        assert _value(observed, backend, "rref_pickled_outside_rpc")["RuntimeError"] is True

@@ -1,0 +1,709 @@
+"""RRef fork/delete protocol with real processes (script mode).
+
+Three worlds, each one ``torch.multiprocessing.spawn(_child, nprocs=3, join=False)``
+whose processes call ``rpc.init_rpc(name, rank=rank, world_size=3)`` (env://, with
+MASTER_ADDR/MASTER_PORT from a free port the parent chose) and ``rpc.shutdown()``,
+as in PyTorch's tutorials (see ``test_script_mode.py``, whose patterns this file
+copies). The parent joins the processes one by one (``spawn``'s own join would
+terminate the survivors as soon as one process is killed), draining a
+``multiprocessing`` queue that carries every result row back.
+
+=============  ==========================================================================
+world/phase    what it checks
+=============  ==========================================================================
+life/cycles    150 create/fork/delete cycles (50 per rank, run concurrently), roles and
+               directions rotated; then every owner table, user table and child table is
+               empty and each process's ``__del__`` count equals the values it owned
+life/inflight  each rank makes 50 RRefs on the next rank and drops them right before a
+               graceful ``rpc.shutdown()``: every owner freed exactly 50 values
+life/large     20 tensors of 4 MB owned by rank 1, made by rank 0: freed, RSS drops
+owner_dies     rank 0 SIGKILLs rank 2, the owner of an RRef it and rank 1 use: to_here()
+               and proxies fail with WorkerGoneError in seconds; 0 <-> 1 keeps working
+user_dies      rank 0 SIGKILLs rank 1, which holds forks of three values owned by rank 0
+               (owner→user, user→user, its own remote()): rank 0 frees them in seconds
+=============  ==========================================================================
+
+Values are ``Tracked`` objects (module level, so every process imports the class):
+``__init__`` counts values made in this process, ``__del__`` counts originals freed
+(copies made by ``to_here()`` are not counted). Results are rows put on the queue
+(``<init>``, ``<body>``, ``<shutdown>``, ``<after>`` per phase and rank); the tests
+read them. A watchdog (``faulthandler.dump_traceback_later(exit=True)``) bounds every
+phase of every child, every barrier and poll has a deadline, and the parent kills
+(by pid) any process still alive after ``WORLD_TIMEOUT_S``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import faulthandler
+import os
+import queue
+import signal
+import socket
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+import nbrpc.debug
+from nbrpc import rpc
+from nbrpc.agent import current_agent
+from nbrpc.errors import WorkerGoneError
+from nbrpc.rpc import RRef
+
+pytestmark = pytest.mark.multiprocess
+
+WORLD = 3
+NAMES = ["master", "worker1", "worker2"]
+RPC_TIMEOUT_S = 20.0  # every call, join and graceful shutdown is bounded by this
+PHASE_WATCHDOG_S = 40.0  # a child stuck this long in one phase dumps its threads and exits
+WAIT_S = 20.0  # barriers and events between ranks
+WORLD_TIMEOUT_S = 90.0  # the parent kills what is still alive after this
+CYCLES_PER_RANK = 50  # 150 cycles in all
+DEATH_DETECTED_S = 6.0  # from SIGKILL to WorkerGoneError (failure_timeout is 2 s)
+
+
+# -- values, counted per process --------------------------------------------------------
+_COUNTS = {"created": 0, "deleted": 0}
+_COUNT_LOCK = threading.Lock()
+
+
+class Tracked:
+    """A value whose freeing is visible: ``__del__`` counts originals only."""
+
+    def __init__(self, tag: str) -> None:
+        self.tag = tag
+        self.original = True
+        with _COUNT_LOCK:
+            _COUNTS["created"] += 1
+
+    def get(self) -> str:
+        return self.tag
+
+    def __getstate__(self) -> dict:  # a copy (to_here) is not an original
+        return {**self.__dict__, "original": False}
+
+    def __del__(self) -> None:
+        if self.__dict__.get("original"):
+            with _COUNT_LOCK:
+                _COUNTS["deleted"] += 1
+
+
+def _counts() -> dict:
+    with _COUNT_LOCK:
+        return dict(_COUNTS)
+
+
+def _reset_counts() -> None:
+    with _COUNT_LOCK:
+        _COUNTS.update(created=0, deleted=0)
+
+
+# -- functions run remotely ---------------------------------------------------------
+_KEPT: list = []  # RRefs a worker was asked to hold
+
+
+def _whoami() -> str:
+    return rpc.get_worker_info().name
+
+
+def _call_back(to: str) -> str:
+    """Runs on one worker, calls ``to``: checks the callee -> caller direction."""
+    return rpc.rpc_sync(to, _whoami, timeout=10)
+
+
+def _fetch_tag(rref: RRef) -> str:
+    """A user copy: to_here()."""
+    assert not rref.is_owner()
+    return rref.to_here(timeout=RPC_TIMEOUT_S).tag
+
+
+def _proxy_tag(rref: RRef) -> str:
+    """A user copy: a proxy call on the owner's value."""
+    assert not rref.is_owner()
+    return rref.rpc_sync(timeout=RPC_TIMEOUT_S).get()
+
+
+def _home_tag(rref: RRef) -> tuple[bool, str]:
+    """The RRef came home (user → owner): an owner RRef, the original value."""
+    value = rref.local_value()
+    return rref.is_owner(), value.tag if value.original else "a copy!"
+
+
+def _make_owned(tag: str) -> RRef:
+    """Runs on the owner: RRef(obj), returned to the caller (owner → user)."""
+    return RRef(Tracked(tag))
+
+
+def _keep(rref: RRef) -> str:
+    _KEPT.append(rref)
+    return rref.to_here(timeout=RPC_TIMEOUT_S).tag
+
+
+def _remote_and_keep(owner: str, tag: str) -> str:
+    """A user RRef made here by remote(), kept."""
+    rref = rpc.remote(owner, Tracked, args=(tag,))
+    return _keep(rref)
+
+
+def _remote_and_fork(owner: str, to: str, tag: str) -> str:
+    """remote() here, fork to ``to`` (which keeps it), then drop ours (user → user)."""
+    rref = rpc.remote(owner, Tracked, args=(tag,))
+    return rpc.rpc_sync(to, _keep, args=(rref,), timeout=RPC_TIMEOUT_S)
+
+
+def _pid() -> int:
+    return os.getpid()
+
+
+def _rrefs_here() -> dict:
+    return nbrpc.debug.snapshot(events=0)["rrefs"]
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _malloc_trim() -> bool:
+    try:
+        return bool(ctypes.CDLL("libc.so.6").malloc_trim(0))
+    except OSError:
+        return False
+
+
+def _poll(pred: Callable[[], Any], timeout: float, what: Any) -> Any:
+    """Wait for ``pred()`` to be true; ``what`` (or ``what()``) explains a timeout."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = pred()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            why = what() if callable(what) else what
+            raise AssertionError(f"timed out after {timeout} s waiting for {why}")
+        time.sleep(0.02)
+
+
+def _nothing_alive(expected_owned: int | None = None) -> Callable[[], bool]:
+    """This worker holds no RRef of any kind, and (if given) freed exactly
+    ``expected_owned`` values it made."""
+    ctx = current_agent().ext["rref"]
+
+    def check() -> bool:
+        st = ctx.state
+        if st.owned or st.users or st.children or len(ctx.live):
+            return False
+        c = _counts()
+        return expected_owned is None or c["created"] == c["deleted"] == expected_owned
+
+    return check
+
+
+def _explain() -> dict:
+    ctx = current_agent().ext["rref"]
+    snap = _rrefs_here()
+    return {"counts": _counts(), "live_rrefs": [repr(r) for r in list(ctx.live)][:10],
+            "owned": snap["owned"][:5], "users": snap["users"][:5],
+            "children": snap["children"][:5], "counters": snap["counters"]}
+
+
+# -- world "life": cycles, in-flight deletes, large values --------------------------------
+CYCLE_KINDS = ("user_to_user", "user_to_owner", "owner_to_user")
+
+
+def _cycle_plan(creator: int, j: int) -> tuple[int, int, str, bool]:
+    """Cycle ``j`` of rank ``creator``: (owner, third, kind, drop_early).
+    Owners alternate between the two other ranks, kinds rotate, and every
+    other block of six the creator drops its RRef while the fork is in flight."""
+    owner = (creator + 1 + j % 2) % WORLD
+    third = 3 - creator - owner
+    kind = CYCLE_KINDS[(j // 2) % 3]
+    drop_early = (j // 6) % 2 == 1
+    return owner, third, kind, drop_early
+
+
+def _expected_owned(rank: int) -> int:
+    return sum(_cycle_plan(c, j)[0] == rank for c in range(WORLD) for j in range(CYCLES_PER_RANK))
+
+
+def _one_cycle(me: int, j: int) -> None:
+    owner, third, kind, drop_early = _cycle_plan(me, j)
+    o, t = NAMES[owner], NAMES[third]
+    tag = f"{NAMES[me]}-{j}-{kind}"
+    if kind == "owner_to_user":  # the owner makes RRef(obj) and returns it
+        rref = rpc.rpc_sync(o, _make_owned, args=(tag,), timeout=RPC_TIMEOUT_S)
+        assert not rref.is_owner() and rref.owner_name() == o, rref
+    else:
+        rref = rpc.remote(o, Tracked, args=(tag,))
+    if kind == "user_to_owner":  # home first, then on to the third worker
+        assert rpc.rpc_sync(o, _home_tag, args=(rref,), timeout=RPC_TIMEOUT_S) == (True, tag)
+    use = _proxy_tag if (j // 12) % 2 else _fetch_tag
+    fut = rpc.rpc_async(t, use, args=(rref,), timeout=RPC_TIMEOUT_S)
+    if drop_early:  # the parent lets go while its child fork is in flight
+        del rref
+        assert fut.wait() == tag
+    else:
+        assert fut.wait() == tag
+        del rref
+
+
+def _body_cycles(rank: int, sync: dict) -> dict:
+    t0 = time.monotonic()
+    try:
+        for j in range(CYCLES_PER_RANK):
+            _one_cycle(rank, j)
+    finally:  # the others check their tables once every rank has stopped creating
+        cycles_s = time.monotonic() - t0
+        sync["barrier"].wait(WAIT_S)
+    expected = _expected_owned(rank)
+    t1 = time.monotonic()
+    _poll(_nothing_alive(expected), 10.0, lambda: f"nothing alive: {_explain()}")
+    snap = _rrefs_here()
+    assert snap["owned"] == [] and snap["users"] == [] and snap["children"] == [], snap
+    assert snap["counters"]["owned_deleted"] == expected, snap["counters"]
+    assert snap["counters"]["outstanding"] == 0, snap["counters"]
+    return {"cycles_s": round(cycles_s, 2), "drain_s": round(time.monotonic() - t1, 3),
+            "owned_and_freed": expected, "counts": _counts(), "counters": snap["counters"]}
+
+
+INFLIGHT = 50
+
+
+def _body_inflight(rank: int, sync: dict) -> dict:
+    _CTX["agent"] = current_agent()  # read again after shutdown
+    other = NAMES[(rank + 1) % WORLD]
+    refs = [rpc.remote(other, Tracked, args=(f"inflight-{rank}-{i}",)) for i in range(INFLIGHT)]
+    del refs  # shutdown follows at once (the wrapper calls it)
+    return {}
+
+
+def _after_inflight(rank: int) -> dict:
+    """After rpc.shutdown(): what the owner freed, read without waiting."""
+    counts = _counts()
+    st = _CTX.pop("agent").ext["rref"].state
+    info = {"counts": counts, "state_deleted": st.deleted, "owned_left": len(st.owned),
+            "users_left": len(st.users), "children_left": len(st.children)}
+    assert counts["created"] == INFLIGHT, info
+    assert counts["deleted"] == INFLIGHT, info
+    assert st.deleted == INFLIGHT and not st.owned and not st.users and not st.children, info
+    return info
+
+
+N_LARGE, LARGE_NUMEL = 20, 1 << 20  # 20 tensors of 4 MiB
+RSS_DROP = 60 << 20
+
+
+def _await_owned_ready(n: int) -> dict:
+    """On the owner: ``n`` values stored and ready; the RSS at that point."""
+    st = current_agent().ext["rref"].state
+    _poll(lambda: len(st.owned) == n and all(e.value.done() for e in list(st.owned.values())),
+          10.0, lambda: f"{n} owned values: {_rrefs_here()['owned'][:3]}")
+    owned = _rrefs_here()["owned"]
+    return {"rss": _rss(), "owned_nbytes": sum(o["nbytes"] for o in owned)}
+
+
+def _await_freed(peak: int) -> dict:
+    """On the owner: its table empties, and its RSS drops by RSS_DROP from ``peak``
+    (first without help, then with malloc_trim, which can only return memory that
+    is free: values still alive keep theirs)."""
+    t0 = time.monotonic()
+    st = current_agent().ext["rref"].state
+    _poll(lambda: not st.owned, 10.0, lambda: f"an empty owner table: {_explain()}")
+    empty_s = time.monotonic() - t0
+    rss_at_empty = _rss()
+    trimmed = False
+
+    def dropped() -> bool:
+        nonlocal trimmed
+        if peak - _rss() >= RSS_DROP:
+            return True
+        if time.monotonic() - t0 > 2.0:
+            trimmed = _malloc_trim() or trimmed
+        return peak - _rss() >= RSS_DROP
+
+    info = {"empty_s": round(empty_s, 3), "peak": peak, "rss_at_empty": rss_at_empty}
+    _poll(dropped, 8.0, lambda: f"RSS to drop by {RSS_DROP >> 20} MiB: "
+                              f"{dict(info, rss_now=_rss())}")
+    return dict(info, rss_final=_rss(), malloc_trim_used=trimmed,
+                deleted=st.deleted, drop_mib=round((peak - _rss()) / 2**20, 1))
+
+
+def _body_large(rank: int, sync: dict) -> dict:
+    if rank != 0:
+        return {}
+    base = rpc.rpc_sync("worker1", _rss, timeout=RPC_TIMEOUT_S)
+    refs = [rpc.remote("worker1", torch.zeros, args=(LARGE_NUMEL,)) for _ in range(N_LARGE)]
+    for r in refs[:2]:
+        t = r.to_here(timeout=RPC_TIMEOUT_S)
+        assert t.shape == (LARGE_NUMEL,) and not t.any()
+        del t
+    peak = rpc.rpc_sync("worker1", _await_owned_ready, args=(N_LARGE,), timeout=RPC_TIMEOUT_S)
+    assert peak["owned_nbytes"] == N_LARGE * LARGE_NUMEL * 4, peak
+    assert peak["rss"] - base >= N_LARGE * LARGE_NUMEL * 4 * 0.9, (base, peak)  # really held
+    del refs, r
+    freed = rpc.rpc_sync("worker1", _await_freed, args=(peak["rss"],), timeout=RPC_TIMEOUT_S)
+    assert freed["deleted"] == N_LARGE, freed
+    return {"rss_base_mib": round(base / 2**20, 1), "rss_peak_mib": round(peak["rss"] / 2**20, 1),
+            **freed}
+
+
+# -- world "owner_dies": rank 0 kills rank 2, the owner ---------------------------------
+def _body_owner_dies(rank: int, sync: dict) -> dict:
+    if rank == 2:
+        _await_death(sync)
+    if rank == 1:
+        return _owner_dies_rank1(sync)
+    doomed = rpc.remote("worker2", Tracked, args=("doomed",))
+    assert doomed.to_here(timeout=RPC_TIMEOUT_S).tag == "doomed"
+    assert rpc.rpc_sync("worker1", _keep, args=(doomed,), timeout=RPC_TIMEOUT_S) == "doomed"
+    pid2 = rpc.rpc_sync("worker2", _pid, timeout=RPC_TIMEOUT_S)
+    sync["victim_ready"].wait(WAIT_S)  # its queue is flushed: nothing is lost with it
+    t_kill = time.monotonic()
+    os.kill(pid2, signal.SIGKILL)
+    in_flight = doomed.rpc_async(timeout=RPC_TIMEOUT_S).get()  # sent to the dead owner
+    with pytest.raises(WorkerGoneError, match="died") as ei:
+        doomed.to_here(timeout=RPC_TIMEOUT_S)
+    to_here_s = time.monotonic() - t_kill
+    message = str(ei.value)
+    del ei  # its traceback holds the RRef
+    assert "worker2" in message, message
+    with pytest.raises(WorkerGoneError, match="died"):
+        doomed.rpc_sync(timeout=RPC_TIMEOUT_S).get()
+    proxy_s = time.monotonic() - t_kill
+    with pytest.raises(WorkerGoneError, match="died"):
+        in_flight.wait()
+    del in_flight
+    assert to_here_s < DEATH_DETECTED_S and proxy_s < DEATH_DETECTED_S, (to_here_s, proxy_s)
+    sync["killed"].set()
+    # rank 0 <-> rank 1 keeps working, RRefs included
+    assert rpc.rpc_sync("worker1", _whoami, timeout=10) == "worker1"
+    assert rpc.rpc_sync("worker1", _call_back, args=("master",), timeout=10) == "master"
+    alive = rpc.remote("worker1", Tracked, args=("alive",))
+    assert alive.to_here(timeout=10).tag == "alive" and alive.rpc_sync(timeout=10).get() == "alive"
+    assert rpc.rpc_sync("worker1", _fetch_tag, args=(rpc.rpc_sync(
+        "worker1", _make_owned, args=("o2u",), timeout=10),), timeout=10) == "o2u"
+    del alive
+    assert [m["name"] for m in nbrpc.debug.snapshot(events=0)["members"]] == NAMES[:2]
+    assert "owner-gone" in repr(doomed) or "released" in repr(doomed), repr(doomed)
+    del doomed
+    _poll(_nothing_alive(), 5.0, lambda: f"nothing alive on master: {_explain()}")
+    sync["done"].wait(WAIT_S)  # rank 1's own checks
+    return {"to_here_s": round(to_here_s, 2), "proxy_s": round(proxy_s, 2), "message": message}
+
+
+def _owner_dies_rank1(sync: dict) -> dict:
+    try:
+        assert sync["killed"].wait(WAIT_S), "rank 0 did not kill rank 2"
+        _poll(lambda: "worker2" not in [m["name"] for m in nbrpc.debug.snapshot(events=0)[
+            "members"]], 5.0, "worker2 to leave rank 1's member table")
+        assert len(_KEPT) == 1
+        with pytest.raises(WorkerGoneError, match="'worker2' died"):
+            _KEPT[0].to_here(timeout=10)
+        with pytest.raises(WorkerGoneError, match="'worker2' died"):
+            _KEPT[0].rpc_sync(timeout=10).get()
+        _KEPT.clear()
+        assert rpc.rpc_sync("master", _whoami, timeout=10) == "master"
+        assert rpc.rpc_sync("master", _call_back, args=("worker1",), timeout=10) == "worker1"
+        r = rpc.remote("master", Tracked, args=("from1",))
+        assert r.rpc_sync(timeout=10).get() == "from1"
+        del r
+        # "alive" and "o2u" were owned here; rank 0 dropped them
+        _poll(_nothing_alive(2), 5.0, lambda: f"nothing alive on worker1: {_explain()}")
+        return {"counts": _counts()}
+    finally:
+        sync["done"].set()
+
+
+def _await_death(sync: dict) -> None:
+    """The victim: flush its result queue (no lock held when it dies), say so, wait."""
+    q = _CTX["results"]
+    q.close()
+    q.join_thread()
+    sync["victim_ready"].set()
+    deadline = time.monotonic() + WAIT_S
+    while time.monotonic() < deadline:
+        time.sleep(0.05)
+    os._exit(3)  # not killed: the parent sees exit code 3, not -9
+
+
+# -- world "user_dies": rank 0 kills rank 1, which holds forks of rank 0's values -----------
+def _body_user_dies(rank: int, sync: dict) -> dict:
+    if rank == 1:
+        _await_death(sync)
+    if rank == 2:
+        assert sync["done"].wait(WAIT_S), "rank 0 did not finish"
+        assert rpc.rpc_sync("master", _whoami, timeout=10) == "master"
+        return {"users_left": len(_rrefs_here()["users"])}
+    st = current_agent().ext["rref"].state
+    own = RRef(Tracked("owner_to_user"))
+    assert rpc.rpc_sync("worker1", _keep, args=(own,), timeout=RPC_TIMEOUT_S) == "owner_to_user"
+    del own
+    assert rpc.rpc_sync("worker2", _remote_and_fork, args=("master", "worker1", "user_to_user"),
+                        timeout=RPC_TIMEOUT_S) == "user_to_user"
+    assert rpc.rpc_sync("worker1", _remote_and_keep, args=("master", "users_own"),
+                        timeout=RPC_TIMEOUT_S) == "users_own"
+
+    def held_by_worker1_only() -> bool:
+        owned = _rrefs_here()["owned"]
+        return len(owned) == 3 and all(
+            o["owner_refs"] == 0 and set(o["forks"].values()) == {"worker1"} for o in owned)
+
+    _poll(held_by_worker1_only, 5.0, lambda: f"forks held by worker1 only: {_explain()}")
+    assert _counts() == {"created": 3, "deleted": 0}, _counts()
+    pid1 = rpc.rpc_sync("worker1", _pid, timeout=RPC_TIMEOUT_S)
+    sync["victim_ready"].wait(WAIT_S)
+    t_kill = time.monotonic()
+    os.kill(pid1, signal.SIGKILL)
+    _poll(lambda: not st.owned, DEATH_DETECTED_S, lambda: f"an empty owner table: {_explain()}")
+    empty_s = time.monotonic() - t_kill
+    _poll(_nothing_alive(3), 2.0, lambda: f"nothing alive on master: {_explain()}")
+    assert rpc.rpc_sync("worker2", _whoami, timeout=10) == "worker2"
+    assert [m["name"] for m in nbrpc.debug.snapshot(events=0)["members"]] == ["master", "worker2"]
+    sync["done"].set()
+    return {"empty_s": round(empty_s, 2), "counts": _counts()}
+
+
+# -- the spawned process -------------------------------------------------------------------
+@dataclass(frozen=True)
+class Phase:
+    name: str
+    body: Callable[[int, dict], dict]
+    after: Callable[[int], dict] | None = None  # rank -> info, after rpc.shutdown()
+    barrier_before_shutdown: bool = False
+
+
+WORLDS: dict[str, list[Phase]] = {
+    "life": [Phase("cycles", _body_cycles),
+             Phase("inflight", _body_inflight, after=_after_inflight),
+             Phase("large", _body_large, barrier_before_shutdown=True)],
+    "owner_dies": [Phase("owner_dies", _body_owner_dies)],
+    "user_dies": [Phase("user_dies", _body_user_dies)],
+}
+_CTX: dict[str, Any] = {}  # set in the child
+
+
+def _child(rank: int, world: str, port: int, results: Any, sync: dict) -> None:
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    _CTX["results"] = results
+
+    def write(phase: str, name: str, ok: bool = True, **row: Any) -> None:
+        results.put(dict(row, world=world, phase=phase, name=name, rank=rank, ok=ok))
+
+    def attempt(phase: str, name: str, fn: Callable[[], dict | None]) -> None:
+        t0 = time.monotonic()
+        try:
+            info = fn()
+            write(phase, name, secs=time.monotonic() - t0, info=info)
+        except BaseException:
+            write(phase, name, ok=False, secs=time.monotonic() - t0, error=traceback.format_exc())
+
+    try:
+        for phase in WORLDS[world]:
+            faulthandler.dump_traceback_later(PHASE_WATCHDOG_S, exit=True)
+            _reset_counts()
+            _KEPT.clear()
+            t0 = time.monotonic()
+            opts = rpc.TensorPipeRpcBackendOptions(rpc_timeout=RPC_TIMEOUT_S)
+            rpc.init_rpc(NAMES[rank], rank=rank, world_size=WORLD, rpc_backend_options=opts)
+            write(phase.name, "<init>", secs=time.monotonic() - t0, pid=os.getpid())
+            t1 = time.monotonic()
+            try:
+                info, body = phase.body(rank, sync), None
+            except BaseException:
+                info, body = None, traceback.format_exc()
+            body_s = time.monotonic() - t1
+            if phase.barrier_before_shutdown:
+                try:
+                    sync["barrier"].wait(WAIT_S)
+                except BaseException:
+                    body = (body or "") + traceback.format_exc()
+            t2 = time.monotonic()
+            try:
+                rpc.shutdown(timeout=RPC_TIMEOUT_S)
+                shutdown = None
+            except BaseException:
+                shutdown = traceback.format_exc()
+            write(phase.name, "<shutdown>", ok=shutdown is None,
+                  secs=time.monotonic() - t2, error=shutdown)
+            write(phase.name, "<body>", ok=body is None, secs=body_s, info=info, error=body)
+            if phase.after is not None:
+                attempt(phase.name, "<after>", lambda p=phase: p.after(rank))
+    except BaseException:
+        write("?", "<crash>", ok=False, error=traceback.format_exc())
+        raise
+    finally:
+        faulthandler.cancel_dump_traceback_later()
+
+
+# -- the parent side -----------------------------------------------------------------------
+def _free_ports(n: int) -> list[int]:
+    socks = []
+    try:
+        for _ in range(n):
+            s = socket.socket()
+            s.bind(("127.0.0.1", 0))
+            socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+@dataclass
+class World:
+    name: str
+    rows: list
+    exitcodes: list
+    secs: float
+
+    def row(self, phase: str, name: str, rank: int) -> dict:
+        for r in self.rows:
+            if (r["phase"], r["name"], r["rank"]) == (phase, name, rank):
+                return r
+        crashes = [r["error"] for r in self.rows if r["name"] == "<crash>"]
+        pytest.fail(f"no row {phase}/{name} from rank {rank} in world {self.name!r} "
+                    f"(exit codes {self.exitcodes}); crashes: {crashes}", pytrace=False)
+
+    def ok(self, phase: str, name: str, rank: int) -> dict:
+        r = self.row(phase, name, rank)
+        if not r["ok"]:
+            pytest.fail(f"{self.name}/{phase} {name} on rank {rank} failed:\n{r['error']}",
+                        pytrace=False)
+        return r
+
+
+def _run_world(name: str) -> World:
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    sync = {"barrier": ctx.Barrier(WORLD), "killed": ctx.Event(), "done": ctx.Event(),
+            "victim_ready": ctx.Event()}
+    (port,) = _free_ports(1)
+    t0 = time.monotonic()
+    procs = mp.spawn(_child, args=(name, port, results, sync), nprocs=WORLD, join=False)
+    rows: list = []
+    deadline = t0 + WORLD_TIMEOUT_S
+    while any(p.is_alive() for p in procs.processes) and time.monotonic() < deadline:
+        try:
+            rows.append(results.get(timeout=0.1))
+        except queue.Empty:
+            pass
+    for p in procs.processes:  # only our own children, by their handles
+        if p.is_alive():
+            p.kill()
+        p.join(5)
+    while True:
+        try:
+            rows.append(results.get(timeout=0.2))
+        except queue.Empty:
+            break
+    results.close()
+    for f in procs.error_files:  # spawn's per-process error files (written on a crash)
+        Path(f).unlink(missing_ok=True)
+    return World(name, rows, [p.exitcode for p in procs.processes], time.monotonic() - t0)
+
+
+@pytest.fixture(scope="module")
+def worlds() -> Callable[[str], World]:
+    """Each world is spawned once, by the first test that asks for it."""
+    cache: dict[str, World] = {}
+
+    def get(name: str) -> World:
+        if name not in cache:
+            cache[name] = _run_world(name)
+        return cache[name]
+
+    return get
+
+
+# -- the tests -----------------------------------------------------------------------------
+@pytest.mark.parametrize("rank", range(WORLD))
+def test_create_fork_delete_cycles_leave_nothing_alive(worlds, rank: int) -> None:
+    w = worlds("life")
+    info = w.ok("cycles", "<body>", rank)["info"]
+    assert info["counts"] == {"created": 50, "deleted": 50}, info
+    w.ok("cycles", "<shutdown>", rank)
+
+
+def test_cycle_plan_covers_every_direction_and_kind() -> None:
+    combos = {(c, _cycle_plan(c, j)[0], _cycle_plan(c, j)[2], _cycle_plan(c, j)[3])
+              for c in range(WORLD) for j in range(CYCLES_PER_RANK)}
+    assert len(combos) == WORLD * 2 * len(CYCLE_KINDS) * 2  # creator, owner, kind, drop_early
+    assert [_expected_owned(r) for r in range(WORLD)] == [50, 50, 50]
+
+
+@pytest.mark.parametrize("rank", range(WORLD))
+def test_graceful_shutdown_waits_for_in_flight_deletes(worlds, rank: int) -> None:
+    w = worlds("life")
+    w.ok("inflight", "<body>", rank)
+    w.ok("inflight", "<shutdown>", rank)
+    info = w.ok("inflight", "<after>", rank)["info"]
+    assert info["counts"] == {"created": INFLIGHT, "deleted": INFLIGHT}, info
+
+
+def test_large_values_are_freed_and_memory_returns(worlds) -> None:
+    w = worlds("life")
+    info = w.ok("large", "<body>", 0)["info"]
+    assert info["drop_mib"] >= RSS_DROP / 2**20, info
+    for rank in range(WORLD):
+        w.ok("large", "<shutdown>", rank)
+    print(info)
+
+
+def test_life_world_exits_cleanly(worlds) -> None:
+    w = worlds("life")
+    assert w.exitcodes == [0] * WORLD, (w.exitcodes, [r for r in w.rows if not r["ok"]])
+    shm = Path("/dev/shm")
+    pids = {r["pid"] for r in w.rows if r.get("pid")}
+    if shm.is_dir():
+        left = [p.name for p in shm.iterdir() if any(p.name.startswith(f"nbrpc-{pid}-")
+                                                     for pid in pids)]
+        assert not left, left
+
+
+def test_owner_killed_fails_rref_calls_promptly(worlds) -> None:
+    w = worlds("owner_dies")
+    info = w.ok("owner_dies", "<body>", 0)["info"]
+    assert info["to_here_s"] < DEATH_DETECTED_S and "died" in info["message"], info
+    w.ok("owner_dies", "<body>", 1)
+    assert w.exitcodes[2] == -signal.SIGKILL, w.exitcodes
+    print(info)
+
+
+def test_dead_user_forks_are_released_by_the_owner(worlds) -> None:
+    w = worlds("user_dies")
+    info = w.ok("user_dies", "<body>", 0)["info"]
+    assert info["empty_s"] < DEATH_DETECTED_S and info["counts"]["deleted"] == 3, info
+    w.ok("user_dies", "<body>", 2)
+    assert w.exitcodes[1] == -signal.SIGKILL, w.exitcodes
+    print(info)
+
+
+@pytest.mark.parametrize("world,survivors", [("owner_dies", (0, 1)), ("user_dies", (0, 2))])
+def test_graceful_shutdown_after_a_member_died(worlds, world: str, survivors) -> None:
+    w = worlds(world)
+    secs = [w.ok(world, "<shutdown>", r)["secs"] for r in survivors]
+    assert [w.exitcodes[r] for r in survivors] == [0, 0], w.exitcodes
+    assert max(secs) < 5.0, secs
+    print({"world": world, "shutdown_s": [round(s, 2) for s in secs]})
+
+
+def test_timing_report(worlds) -> None:
+    """Not a check: prints where the time went (shown with -s / -rP)."""
+    lines = []
+    for name in WORLDS:
+        w = worlds(name)
+        lines.append(f"{name}: {w.secs:.1f} s, exit codes {w.exitcodes}")
+        for r in sorted(w.rows, key=lambda r: (r["phase"], r["rank"])):
+            lines.append(f"  rank{r['rank']} {r['phase']:10} {r['name']:11} "
+                         f"{r.get('secs', 0):6.2f} s {'ok' if r['ok'] else 'FAILED'} "
+                         f"{r.get('info') or ''}")
+    print("\n".join(lines))
