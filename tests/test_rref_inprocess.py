@@ -303,3 +303,25 @@ def test_shutdown_deletes_user_rrefs_still_held_and_reports_them() -> None:
     assert rrefs[0]["role"] == "user" and "test_rref_inprocess.py" in rrefs[0]["site"]
     assert b.ext["rref"].state.owned == {}  # deleted at shutdown, as PyTorch does
     del kept
+
+
+class Unpicklable:
+    """Pickles fine, fails to unpickle: a Remote carrying it never arrives."""
+
+    def __reduce__(self):
+        return _fail_restore, ()
+
+
+def _fail_restore():
+    raise RuntimeError("cannot rebuild this argument here")
+
+
+def test_fork_of_a_failed_creation_fails_promptly(group) -> None:
+    a, _, _ = group
+    r = remote(a, "b", Tracked, (Unpicklable(),), {}, -1)
+    with pytest.raises(RuntimeError, match="cannot rebuild"):
+        r.to_here()
+    t0 = time.monotonic()
+    with pytest.raises(NbrpcError, match="never created on 'b'.*cannot rebuild"):
+        a.rpc_async("c", tag_of, (r,)).wait()
+    assert time.monotonic() - t0 < 3  # not the 10 s RPC timeout

@@ -355,6 +355,10 @@ def test_cancel_fails_waiting_fetches_later_fetches_and_placeholders() -> None:
     t.creation_failed(RRefId(0, 3), NbrpcError("never made"))
     with pytest.raises(NbrpcError, match="never made"):
         t.owned[RRefId(0, 3)].value.wait()
+    t.creation_failed(RRefId(0, 4), NbrpcError("failed first"))  # then a fork arrives
+    t.on_fork_request(RRefId(0, 4), RRefId(2, 2), 2)
+    with pytest.raises(NbrpcError, match="failed first"):
+        t.owned[RRefId(0, 4)].value.wait()
 
 
 def test_expired_waiter_is_removed() -> None:

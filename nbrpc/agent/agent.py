@@ -283,7 +283,10 @@ class Agent:
             if leak_check:  # unreachable RRefs in reference cycles are not leaks
                 gc.collect()  # (40 ms with torch loaded: only when asked)
             try:
-                if self.world_size is None:
+                if self.rank != 0 and 0 not in self._members:  # the coordinator died
+                    self._wait_local_idle(deadline, limit)
+                    self._run_shutdown_hooks(leak_check)
+                elif self.world_size is None:
                     self._wait_local_idle(deadline, limit, busy=True)
                     self._run_shutdown_hooks(leak_check)
                     self._wait_local_idle(deadline, limit, busy=True)

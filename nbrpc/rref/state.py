@@ -223,7 +223,7 @@ class RRefState:
         fut: torch.futures.Future = torch.futures.Future()
         with self._lock:
             entry = self.owned.get(rref_id)
-            cancelled = self._cancelled.pop(rref_id, None)
+            cancelled = self._cancelled.get(rref_id)
             if entry is None and cancelled is None:
                 self._awaiting.setdefault(rref_id, []).append(fut)
                 return fut
@@ -239,7 +239,7 @@ class RRefState:
         with self._lock:
             waiters = self._awaiting.pop(rref_id, [])
             entry = self.owned.get(rref_id)
-            if not waiters and entry is None:  # the Fetch may come later
+            if entry is None:  # for fetches and forks that come later
                 self._cancelled[rref_id] = error
                 if len(self._cancelled) > 1024:
                     self._cancelled.popitem(last=False)
@@ -272,6 +272,9 @@ class RRefState:
         entry = self.owned.get(rref_id)
         if entry is None:
             entry = self.owned[rref_id] = Owned(rref_id, torch.futures.Future(), site)
+            cancelled = self._cancelled.pop(rref_id, None)
+            if cancelled is not None:  # a fork of a value whose creation failed
+                entry.value.set_exception(cancelled)
         elif entry.site == "?":
             entry.site = site
         return entry
