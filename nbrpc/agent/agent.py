@@ -136,6 +136,22 @@ class _Pending:
     op: str
     started: float
     timer: list | None = None
+    keep: Any = None  # held until the answer (an RRef must outlive its call)
+    then: Callable[[Any, BaseException | None], None] | None = None
+
+    def settle(self, value: Any = None, error: BaseException | None = None) -> None:
+        """Complete the future, then run ``then`` (on the completing thread).
+        ``then`` is a plain call: a torch done-callback costs a GIL round trip."""
+        if error is None:
+            self.future.set_result(value)
+        else:
+            self.future.set_exception(error)
+        if self.then is not None:
+            try:
+                self.then(value, error)
+            except Exception:
+                log.exception("a request's completion hook failed")
+        self.keep = self.then = None
 
 
 @dataclass(slots=True)
@@ -319,7 +335,7 @@ class Agent:
         for mid in list(self._pending):
             p = self._pending.pop(mid, None)
             if p is not None and not p.future.done():
-                p.future.set_exception(ShutdownError(
+                p.settle(error=ShutdownError(
                     f"{self.name!r} shut down before {self._peer_name(p.peer)!r} answered"))
         if _Default.agent is self:
             _Default.agent = None
@@ -413,7 +429,7 @@ class Agent:
             if p.peer == rank and self._pending.pop(mid, None) is not None:
                 if p.timer is not None:
                     self.io.cancel(p.timer)
-                p.future.set_exception(WorkerGoneError(m.name, why))
+                p.settle(error=WorkerGoneError(m.name, why))
         for hook in self.gone_hooks:
             try:
                 hook(rank)
@@ -443,11 +459,14 @@ class Agent:
             raise TypeError(f"func must be callable, got {type(fn).__name__}")
         return self.request(to, Call(fn, tuple(args or ()), dict(kwargs or {})), timeout)
 
-    def request(self, to: Any, msg: Any, timeout: float = -1.0,
-                inline: bool = False) -> RpcFuture:
+    def request(self, to: Any, msg: Any, timeout: float = -1.0, inline: bool = False,
+                keep: Any = None,
+                then: Callable[[Any, BaseException | None], None] | None = None,
+                ) -> RpcFuture:
         """Send a typed request; the future completes with the handler's answer.
         ``inline``: the handler is protocol bookkeeping run on the receiver's
-        I/O thread (it must never block)."""
+        I/O thread (it must never block). ``keep`` is held until the answer;
+        ``then(value, error)`` runs when it arrives (or the call fails)."""
         if self.state not in ("ready", "stopping"):
             raise ShutdownError(f"agent {self.name!r} is {self.state}; it takes no new calls")
         peer = self.resolve(to).rank
@@ -457,7 +476,7 @@ class Agent:
         payload, buffers = dumps(msg, wire)
         mid = next(self._ids)
         fut = RpcFuture(self._io_ident)
-        p = _Pending(fut, peer, msg.op, time.perf_counter())
+        p = _Pending(fut, peer, msg.op, time.perf_counter(), None, keep, then)
         self._pending[mid] = p
         if timeout > 0:
             p.timer = self.io.call_later(timeout, self._expire, mid, timeout)
@@ -510,7 +529,7 @@ class Agent:
         self.timeouts += 1
         name = self._peer_name(p.peer)
         self.events.add("timeout", p.op, name, mid, 0, time.perf_counter() - p.started)
-        p.future.set_exception(RpcTimeoutError(f"RPC {p.op!r}", timeout, worker=name))
+        p.settle(error=RpcTimeoutError(f"RPC {p.op!r}", timeout, worker=name))
 
     def _complete(self, env: Envelope) -> None:
         p = self._pending.get(env.msg_id)
@@ -528,15 +547,15 @@ class Agent:
         try:
             reply = loads(env.payload, env.buffers, Wire(self, env.sender))
         except Exception as e:
-            p.future.set_exception(SerializationError(
+            p.settle(error=SerializationError(
                 f"the answer from {name!r} could not be unpickled here: "
                 f"{type(e).__name__}: {e}"))
             return
         if type(reply) is Ok:
-            p.future.set_result(reply.value)
+            p.settle(reply.value)
         else:
             self.remote_errors += 1
-            p.future.set_exception(rebuild_error(reply))
+            p.settle(error=rebuild_error(reply))
 
     def _discard(self, env: Envelope) -> None:
         """A late reply is still unpickled, then dropped: RRefs forked into it

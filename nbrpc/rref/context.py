@@ -121,16 +121,15 @@ class RRefContext:
             return
         timeout = min(agent.options.control_retry * 2 ** attempt, MAX_RETRY_INTERVAL)
         try:
-            fut = agent.request(rank, msg, timeout, inline=True)
+            agent.request(rank, msg, timeout, inline=True,
+                          then=lambda _v, e: self._answered(rank, msg, attempt, e))
         except Exception as e:
             self._give_up(rank, msg, f"{type(e).__name__}: {e}")
             return
         if type(msg) is Delete:
             self._event("delete-sent", msg.rref_id, msg.fork_id, rank)
-        fut.add_done_callback(lambda f: self._answered(rank, msg, attempt, f))
 
-    def _answered(self, rank: int, msg: Any, attempt: int, f: torch.futures.Future) -> None:
-        _, error = outcome(f)
+    def _answered(self, rank: int, msg: Any, attempt: int, error: BaseException | None) -> None:
         if isinstance(error, RpcTimeoutError):
             if attempt + 1 < MAX_ATTEMPTS:
                 self.retries += 1
@@ -168,12 +167,10 @@ class RRefContext:
         self._event("errored", msg.rref_id, msg.fork_id, rank, why)
 
     # -- creation --------------------------------------------------------------------
-    def creation_settled(self, rref: Any, fut: torch.futures.Future) -> None:
-        """The owner answered (or not) the Remote creating a user RRef."""
-        fork, owner, rref_id = rref._fork, rref._owner, rref._id
+    def creation_hook(self, rref_id: RRefId, fork: ForkId, owner: int) -> Any:
+        """What to run when the owner answers (or not) the Remote creating a user RRef."""
 
-        def settle(f: torch.futures.Future) -> None:
-            _, e = outcome(f)
+        def settle(_value: Any, e: BaseException | None) -> None:
             if e is not None:
                 why = f"{type(e).__name__}: {e}"
                 self._event("errored", rref_id, fork, owner, why)
@@ -187,7 +184,7 @@ class RRefContext:
             self._event("confirmed", rref_id, fork, owner)
             self.send(self.state.on_confirmed(fork))
 
-        fut.add_done_callback(settle)
+        return settle
 
     # -- handlers (requests) ---------------------------------------------------------
     def handle_remote(self, msg: Remote, sender: int) -> None:

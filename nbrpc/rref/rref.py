@@ -21,7 +21,6 @@ moves it.
 from __future__ import annotations
 
 import sys
-import threading
 import weakref
 from typing import Any, Generic, TypeVar
 
@@ -29,7 +28,6 @@ import torch
 
 from ..agent import (
     Agent,
-    RpcFuture,
     WorkerInfo,
     check_future,
     current_agent,
@@ -41,6 +39,7 @@ from ..agent import (
     register_extension,
 )
 from ..agent.agent import Wire
+from ..agent.messages import Call
 from ..errors import NbrpcError, WorkerGoneError
 from ..serialize import current_context, register_reducer
 from .context import CancelFetch, Fetch, Remote, RRefContext, _settle
@@ -107,8 +106,7 @@ class RRef(Generic[T]):
     >>> shutdown()
     """
 
-    __slots__ = ("_agent", "_ctx", "_id", "_fork", "_owner", "_site", "_holder",
-                 "__weakref__")
+    __slots__ = ("_agent", "_ctx", "_id", "_fork", "_owner", "_site", "__weakref__")
 
     def __init__(self, value: T, type_hint: Any = None) -> None:
         agent = current_agent("RRef(value)")
@@ -128,8 +126,6 @@ class RRef(Generic[T]):
                fork: ForkId | None = None) -> Any:
         ctx: RRefContext = agent.ext["rref"]
         self._agent, self._ctx, self._owner, self._site, self._id = agent, ctx, owner, site, rref_id
-        # [the future of the Remote that creates the value], for its creator
-        self._holder: list = [None]
         ctx.live.add(self)
         if owner == agent.rank:
             self._fork = None
@@ -139,14 +135,6 @@ class RRef(Generic[T]):
         self._fork = fork if fork is not None else ctx.state.new_user(rref_id, owner, site)
         weakref.finalize(self, ctx.released, "user", self._fork)
         return None
-
-    @property
-    def _creation(self) -> Any:
-        return self._holder[0]
-
-    def _creation_failed(self) -> bool:
-        creation = self._holder[0]
-        return creation is not None and creation.done() and outcome(creation)[1] is not None
 
     def _state(self) -> str:
         if self.is_owner():
@@ -205,13 +193,11 @@ class RRef(Generic[T]):
             timeout = agent.options.rpc_timeout
         # Not yet confirmed: the owner's pool may run this Fetch before the
         # message that creates the value, so say so and let the owner wait.
+        # If the creation failed, the owner hears it (CancelFetch) and fails
+        # the Fetch at once. ``keep``: no Delete may overtake the Fetch.
         pending = self._state() == PENDING
-        fut = agent.request(self._owner, Fetch(self._id, pending, timeout), timeout)
-        fut.add_done_callback(_keep(self))  # no Delete may overtake the Fetch
-        if self._creation is None:
-            return fut.wait()
-        return _value_or_creation_error(agent, fut, self._creation, self._owner,
-                                        self._id).wait()
+        return agent.request(self._owner, Fetch(self._id, pending, timeout), timeout,
+                             keep=self).wait()
 
     # -- proxies -----------------------------------------------------------------
     def rpc_sync(self, timeout: float = -1.0) -> Any:
@@ -228,16 +214,10 @@ class RRef(Generic[T]):
 
     def __repr__(self) -> str:
         role = "owner" if self.is_owner() else f"user fork {self._fork}"
-        state = "failed" if self._creation_failed() else self._state()
-        return f"RRef(id={self._id}, owner={self.owner_name()!r}, {role}, {state})"
+        return f"RRef(id={self._id}, owner={self.owner_name()!r}, {role}, {self._state()})"
 
     def __reduce__(self) -> tuple:
         return _reduce_rref(self)
-
-
-def _keep(obj: Any) -> Any:
-    """A done-callback that holds ``obj`` until the future completes."""
-    return lambda _f: obj
 
 
 # -- forking: how an RRef pickles ---------------------------------------------------
@@ -304,14 +284,11 @@ class _Proxy:
             limit = agent.options.rpc_timeout if timeout is None or timeout < 0 else timeout
             pending = not rref.is_owner() and rref._state() == PENDING
             call_args = (rref._id, name, args, kwargs, pending, limit)
-            if how == "remote":
-                out = remote(agent, rref._owner, _call_method_on_owner, call_args, {}, timeout)
-                out._creation.add_done_callback(_keep(rref))
-                return out
-            fut = agent.rpc_async(rref._owner, _call_method_on_owner, call_args, timeout=timeout)
-            fut.add_done_callback(_keep(rref))  # no Delete may overtake the call
-            if rref._creation is not None:
-                fut = _value_or_creation_error(agent, fut, rref._creation, rref._owner, rref._id)
+            if how == "remote":  # (keep: no Delete may overtake the call)
+                return remote(agent, rref._owner, _call_method_on_owner, call_args, {},
+                              timeout, keep=rref)
+            fut = agent.request(rref._owner, Call(_call_method_on_owner, call_args, {}),
+                                timeout, keep=rref)
             return fut.wait() if how == "rpc_sync" else fut
 
         invoke.__name__ = name
@@ -352,36 +329,19 @@ def _call_method_on_owner(rref_id: RRefId, name: str, args: tuple, kwargs: dict,
 mark_async(_call_method_on_owner)
 
 
-def _value_or_creation_error(agent: Agent, fetch: Any, creation: Any, owner: int,
-                             rref_id: RRefId) -> Any:
-    """A future of the fetched value that fails at once if the Remote that
-    creates it failed (the owner is told, and fails what waits for it)."""
-    out = RpcFuture(agent._io_ident)
-    claimed = threading.Lock()
-
-    def finish(f: Any, from_fetch: bool) -> None:
-        if not from_fetch and outcome(f)[1] is None:
-            return  # created fine: the fetch decides
-        if claimed.acquire(blocking=False):
-            _settle(out, f)
-
-    fetch.add_done_callback(lambda f: finish(f, True))
-    creation.add_done_callback(lambda f: finish(f, False))
-    return out
-
-
-def remote(agent: Agent, to: Any, fn: Any, args: tuple, kwargs: dict, timeout: float) -> RRef:
-    """Create the value ``fn(*args, **kwargs)`` on ``to``; returns an RRef at once."""
+def remote(agent: Agent, to: Any, fn: Any, args: tuple, kwargs: dict, timeout: float,
+           keep: Any = None) -> RRef:
+    """Create the value ``fn(*args, **kwargs)`` on ``to``; returns an RRef at once.
+    ``keep`` is held until the owner has answered."""
     owner = agent.resolve(to).rank
     ctx: RRefContext = agent.ext["rref"]
     rref = RRef._new(agent, owner, _creation_site(), ctx.state.new_id())
     msg = Remote(fn, tuple(args), dict(kwargs), rref._id, rref._fork, rref._site)
+    then = None if rref._fork is None else ctx.creation_hook(rref._id, rref._fork, owner)
     try:
-        creation = rref._holder[0] = agent.request(owner, msg, timeout)
+        agent.request(owner, msg, timeout, keep=keep, then=then)
     except BaseException:
         if rref._fork is not None:  # never sent: nothing to delete on the owner
             ctx.send(ctx.state.on_failed(rref._fork))
         raise
-    if rref._fork is not None:
-        ctx.creation_settled(rref, creation)
     return rref
