@@ -267,8 +267,7 @@ class Agent:
         if self._join_error:
             self._stop_local()
             raise RendezvousError(self._join_error)
-        if self.state == "joining":
-            self.state = "ready"
+        if self.state == "ready":
             log.info("nbrpc agent %r (rank %d) ready at %s", self.name, self.rank, self.address)
         return True
 
@@ -657,6 +656,8 @@ class Agent:
                 self._set_members(msg.members)
                 if self._coordinator is not None:
                     self._coordinator.watch_all(now)
+                if self.state == "joining":  # peers may call us from now on
+                    self.state = "ready"
             self._joined.set()
         elif t is MemberJoined:
             self._add_member(msg.member)

@@ -98,12 +98,25 @@ def fresh(e: BaseException) -> BaseException:
     """A copy of a stored error, to raise: its traceback will reference the
     raiser's frames, and it must not be the object the future holds."""
     cls = type(e)
+    new = None
+    # the nearest __new__ that accepts the class (an error deriving from both
+    # RuntimeError and OSError needs OSError's)
+    for base in cls.__mro__:
+        make = base.__dict__.get("__new__")
+        if make is None:
+            continue
+        try:
+            new = make(cls, *e.args)
+            break
+        except TypeError:
+            continue
+    if new is None:  # an exotic exception type: raise the stored one
+        return e
     try:
-        new = cls.__new__(cls, *e.args)
         new.args = e.args
         new.__dict__.update(e.__dict__)
         new.__dict__.pop(TRACEBACK_ATTR, None)  # it gets its own traceback
-    except Exception:  # an exotic exception type: raise the stored one
+    except Exception:
         return e
     new.__cause__ = e.__cause__
     new.__suppress_context__ = True

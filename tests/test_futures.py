@@ -1,0 +1,55 @@
+"""Errors stored in torch futures: read without raising, raised as fresh copies."""
+
+from __future__ import annotations
+
+import gc
+import weakref
+
+import pytest
+import torch
+
+from nbrpc.agent import RpcFuture, fresh, outcome
+from nbrpc.errors import RemoteTraceback, RpcTimeoutError, UnknownWorkerError, WorkerGoneError
+
+ERRORS = [WorkerGoneError("w1", "died"), RpcTimeoutError("RPC 'call'", 1.5, "w1"),
+          UnknownWorkerError("w9", ["w1"]), FileNotFoundError(2, "no such file"),
+          ValueError("plain"), KeyError("k")]
+
+
+@pytest.mark.parametrize("error", ERRORS, ids=lambda e: type(e).__name__)
+def test_fresh_copies_keep_type_message_and_fields(error: BaseException) -> None:
+    error.__cause__ = RemoteTraceback("remote tb")
+    new = fresh(error)
+    assert new is not error and type(new) is type(error) and str(new) == str(error)
+    assert new.__dict__ == error.__dict__ and new.__cause__ is error.__cause__
+
+
+class Held:
+    pass
+
+
+def _wait_and_fail(fut: RpcFuture) -> weakref.ref:
+    held = Held()  # a local of the frame the error is raised through
+    try:
+        fut.wait()
+    except WorkerGoneError:
+        pass
+    return weakref.ref(held)
+
+
+def test_an_error_raised_out_of_a_future_does_not_pin_the_raising_frames() -> None:
+    """The stored error must not get a traceback: torch keeps it in C++, where a
+    cycle through it is never collected."""
+    fut = RpcFuture()
+    fut.set_exception(WorkerGoneError("w1", "died"))
+    ref = _wait_and_fail(fut)
+    gc.collect()
+    assert ref() is None
+    value, error = outcome(fut)
+    assert value is None and isinstance(error, WorkerGoneError) and error.__traceback__ is None
+
+
+def test_outcome_of_a_value() -> None:
+    fut = torch.futures.Future()
+    fut.set_result(3)
+    assert outcome(fut) == (3, None)
