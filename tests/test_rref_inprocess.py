@@ -325,3 +325,16 @@ def test_fork_of_a_failed_creation_fails_promptly(group) -> None:
     with pytest.raises(NbrpcError, match="never created on 'b'.*cannot rebuild"):
         a.rpc_async("c", tag_of, (r,)).wait()
     assert time.monotonic() - t0 < 3  # not the 10 s RPC timeout
+
+
+def test_a_fork_request_given_up_releases_the_parent() -> None:
+    """No answer to a ForkRequest after every retry: the child says so to its
+    parent, which lets go; nothing leaks and shutdown does not wait for it."""
+    with local_group(["a", "b", "c"], control_retry=0.01) as (a, b, c):
+        c.faults.add("rref_fork", "drop", times=8)  # all MAX_ATTEMPTS are lost
+        r = remote(a, "b", Tracked, ("lost-fork",), {}, -1)
+        assert a.rpc_async("c", tag_of, (r,)).wait() == "lost-fork"
+        del r
+        assert poll_for(lambda: c.ext["rref"].gave_up > 0, timeout=5)
+        assert poll_for(lambda: freed("lost-fork"), timeout=3)
+        assert not a.ext["rref"].state.children and a.ext["rref"].busy() == 0

@@ -17,10 +17,13 @@ life/cycles    150 create/fork/delete cycles (50 per rank, run concurrently), ro
 life/inflight  each rank makes 50 RRefs on the next rank and drops them right before a
                graceful ``rpc.shutdown()``: every owner freed exactly 50 values
 life/large     20 tensors of 4 MB owned by rank 1, made by rank 0: freed, RSS drops
-owner_dies     rank 0 SIGKILLs rank 2, the owner of an RRef it and rank 1 use: to_here()
-               and proxies fail with WorkerGoneError in seconds; 0 <-> 1 keeps working
+owner_dies     rank 0 SIGKILLs rank 2, the owner of RRefs it and rank 1 use: to_here()
+               and proxy calls (sent before the death is known, or after; one waits for
+               a value that never exists) fail with WorkerGoneError in seconds, and the
+               RRefs are freed once dropped; 0 <-> 1 keeps working, shuts down gracefully
 user_dies      rank 0 SIGKILLs rank 1, which holds forks of three values owned by rank 0
-               (owner→user, user→user, its own remote()): rank 0 frees them in seconds
+               (owner→user, user→user, its own remote()): rank 0 frees them in seconds;
+               0 and 2 shut down gracefully
 =============  ==========================================================================
 
 Values are ``Tracked`` objects (module level, so every process imports the class):
@@ -356,6 +359,29 @@ def _body_large(rank: int, sync: dict) -> dict:
 
 
 # -- world "owner_dies": rank 0 kills rank 2, the owner ---------------------------------
+@rpc.functions.async_execution
+def _never_ready() -> torch.futures.Future:
+    """A value that never exists: a to_here() of it waits until the owner dies."""
+    return torch.futures.Future()
+
+
+def _fetch_in_thread(rref: RRef) -> dict:
+    """to_here() on a thread of its own; the returned dict gets the outcome (as
+    text: the error's traceback must not outlive the thread)."""
+    out: dict = {}
+
+    def run() -> None:
+        try:
+            out["value"] = repr(rref.to_here(timeout=RPC_TIMEOUT_S))
+        except BaseException as e:
+            out["error"] = f"{type(e).__name__}: {e}"
+        out["at"] = time.monotonic()
+
+    out["thread"] = threading.Thread(target=run, name="test-fetch", daemon=True)
+    out["thread"].start()
+    return out
+
+
 def _body_owner_dies(rank: int, sync: dict) -> dict:
     if rank == 2:
         _await_death(sync)
@@ -364,6 +390,11 @@ def _body_owner_dies(rank: int, sync: dict) -> dict:
     doomed = rpc.remote("worker2", Tracked, args=("doomed",))
     assert doomed.to_here(timeout=RPC_TIMEOUT_S).tag == "doomed"
     assert rpc.rpc_sync("worker1", _keep, args=(doomed,), timeout=RPC_TIMEOUT_S) == "doomed"
+    never = rpc.remote("worker2", _never_ready)
+    _poll(never.confirmed_by_owner, 5.0, "the owner to confirm the RRef to a pending value")
+    waiting = _fetch_in_thread(never)  # in flight across the death, whatever the timing
+    _poll(lambda: any(c["op"] == "rref_fetch" for c in nbrpc.debug.snapshot(events=0)[
+        "in_flight"]), 5.0, "the fetch of the pending value to be in flight")
     pid2 = rpc.rpc_sync("worker2", _pid, timeout=RPC_TIMEOUT_S)
     sync["victim_ready"].wait(WAIT_S)  # its queue is flushed: nothing is lost with it
     t_kill = time.monotonic()
@@ -381,22 +412,36 @@ def _body_owner_dies(rank: int, sync: dict) -> dict:
     with pytest.raises(WorkerGoneError, match="died"):
         in_flight.wait()
     del in_flight
-    assert to_here_s < DEATH_DETECTED_S and proxy_s < DEATH_DETECTED_S, (to_here_s, proxy_s)
+    waiting["thread"].join(DEATH_DETECTED_S)
+    assert waiting.get("error", "").startswith("WorkerGoneError") and "died" in waiting[
+        "error"], waiting
+    waiting_s = waiting["at"] - t_kill
+    assert max(to_here_s, proxy_s, waiting_s) < DEATH_DETECTED_S, (to_here_s, proxy_s, waiting_s)
     sync["killed"].set()
     # rank 0 <-> rank 1 keeps working, RRefs included
     assert rpc.rpc_sync("worker1", _whoami, timeout=10) == "worker1"
     assert rpc.rpc_sync("worker1", _call_back, args=("master",), timeout=10) == "master"
     alive = rpc.remote("worker1", Tracked, args=("alive",))
     assert alive.to_here(timeout=10).tag == "alive" and alive.rpc_sync(timeout=10).get() == "alive"
-    assert rpc.rpc_sync("worker1", _fetch_tag, args=(rpc.rpc_sync(
-        "worker1", _make_owned, args=("o2u",), timeout=10),), timeout=10) == "o2u"
+    o2u = rpc.rpc_sync("worker1", _make_owned, args=("o2u",), timeout=10)
+    assert rpc.rpc_sync("worker1", _home_tag, args=(o2u,), timeout=10) == (True, "o2u")
+    del o2u
     del alive
     assert [m["name"] for m in nbrpc.debug.snapshot(events=0)["members"]] == NAMES[:2]
     assert "owner-gone" in repr(doomed) or "released" in repr(doomed), repr(doomed)
-    del doomed
-    _poll(_nothing_alive(), 5.0, lambda: f"nothing alive on master: {_explain()}")
+    del doomed, never, waiting
+    st = current_agent().ext["rref"].state
+    _poll(lambda: not st.owned and not st.users and not st.children, 5.0,
+          lambda: f"empty RRef tables on master: {_explain()}")
+    # the RRef objects themselves: reported, and checked by a test of their own
+    try:
+        _poll(_nothing_alive(), 2.0, "the RRef objects to be freed")
+        live: list = []
+    except AssertionError:
+        live = [repr(r) for r in list(current_agent().ext["rref"].live)]
     sync["done"].wait(WAIT_S)  # rank 1's own checks
-    return {"to_here_s": round(to_here_s, 2), "proxy_s": round(proxy_s, 2), "message": message}
+    return {"to_here_s": round(to_here_s, 2), "proxy_s": round(proxy_s, 2),
+            "waiting_to_here_s": round(waiting_s, 2), "message": message, "live_rrefs": live}
 
 
 def _owner_dies_rank1(sync: dict) -> dict:
@@ -676,6 +721,15 @@ def test_owner_killed_fails_rref_calls_promptly(worlds) -> None:
     w.ok("owner_dies", "<body>", 1)
     assert w.exitcodes[2] == -signal.SIGKILL, w.exitcodes
     print(info)
+
+
+def test_rrefs_whose_calls_were_in_flight_at_owner_death_are_freed(worlds) -> None:
+    """``never.to_here()`` waits (on a thread) for a value that never comes when its
+    owner is killed, and ``doomed``'s fetch and proxy call are in flight: once the
+    caller drops them, nothing may keep them alive (the error a waiter raised used to
+    be the one its future held in C++, and its traceback pinned the waiting frames)."""
+    info = worlds("owner_dies").ok("owner_dies", "<body>", 0)["info"]
+    assert info["live_rrefs"] == [], info["live_rrefs"]
 
 
 def test_dead_user_forks_are_released_by_the_owner(worlds) -> None:

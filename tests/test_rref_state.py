@@ -369,3 +369,20 @@ def test_expired_waiter_is_removed() -> None:
     with pytest.raises(NbrpcError):
         fut.wait()
     t.on_remote(rid, RRefId(0, 4), 0, "x:1")  # a late creation does not touch it again
+
+
+def test_a_given_up_fork_request_releases_the_parent() -> None:
+    net = Net(3)
+    r = net.create(A, OWNER)
+    net.settle()
+    c = net.send(r, C)
+    net.wire.clear()  # C's ForkRequest never got an answer, after every retry
+    out = net.s[C].on_failed(c.fork)
+    assert out == [(A, ChildAccept(r.rref_id, c.fork))]
+    net.post(C, out)
+    net.drop(r)
+    net.settle()
+    assert not net.s[A].children and net.freed == [r.rref_id]  # nothing leaks
+    net.drop(c)
+    net.settle()
+    assert net.quiet()

@@ -325,14 +325,19 @@ class RRefState:
             return out
 
     def on_failed(self, fork: ForkId) -> Outbox:
-        """The Remote creating ``fork`` failed (or its ack never came). The owner
-        may still have stored it, so a release still sends a (harmless) Delete."""
+        """The Remote or ForkRequest registering ``fork`` failed (no answer after
+        every retry). The owner may still have stored it, so a release still
+        sends a (harmless) Delete; a parent stops holding its child (the copy
+        here is broken either way, and the parent must not leak)."""
         with self._lock:
             user = self.users.get(fork)
             if user is None or user.state != PENDING:
                 return []
             user.state = FAILED
-            return self._delete(user) if user.released else []
+            out: Outbox = []
+            if user.parent is not None:
+                out.append((user.parent, ChildAccept(user.rref_id, fork)))
+            return out + (self._delete(user) if user.released else [])
 
     def release_user(self, fork: ForkId) -> Outbox:
         """The user RRef object was garbage-collected."""
