@@ -190,7 +190,7 @@ def why_alive(rref: Any, timeout: float = 10.0) -> dict[str, Any]:
 def _references_here(rid: str) -> list[str]:
     """Python references to this worker's RRef objects with id ``rid``."""
     agent = current_agent()
-    live = list(agent.ext["rref"].live)
+    live = agent.ext["rref"].live_objects()
     objs = [r for r in live if str(r._id) == rid]
     del live
     main = sys.modules.get("__main__")

@@ -11,7 +11,8 @@ agent. It
   after ``control_retry`` s, doubling, until answered, the peer is gone, or
   ``MAX_ATTEMPTS``; user calls are never retried;
 * turns garbage-collected RRefs into work for the I/O thread (a finalizer only
-  appends to a deque: no lock, no I/O);
+  appends to a deque and, if the I/O thread sleeps, writes one byte to its
+  non-blocking wake-up pipe: no lock, no message, nothing that can block);
 * drops freed values on a pool thread, so a value's ``__del__`` never runs on
   the I/O thread;
 * reports its tables as plain data, and leaks at shutdown.
@@ -108,6 +109,15 @@ class RRefContext:
         self._releases: deque = deque()  # ("user", fork) | ("owner", rref_id)
         self.retries = 0
         self.gave_up = 0
+
+    def live_objects(self) -> list:
+        """The RRef objects alive here (a snapshot; other threads add to the set)."""
+        for _ in range(10):
+            try:
+                return list(self.live)
+            except RuntimeError:  # the set changed size during the copy: again
+                continue
+        return []
 
     # -- sending, with retries ------------------------------------------------------
     def send(self, outbox: list[tuple[int, Any]]) -> None:
