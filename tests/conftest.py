@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -39,6 +40,20 @@ def local_group(names: list[str], threads: int = 4, rpc_timeout: float = 10.0,
             t.start()
         for t in stoppers:
             t.join(20)
+
+
+def free_ports(n: int) -> list[int]:
+    """``n`` distinct loopback ports free at the time of the call."""
+    socks = []
+    try:
+        for _ in range(n):
+            s = socket.socket()
+            s.bind(("127.0.0.1", 0))
+            socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
 
 
 def poll_for(condition: Callable[[], bool], timeout: float = 5.0, interval: float = 0.005) -> bool:

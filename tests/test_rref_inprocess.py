@@ -15,6 +15,7 @@ import weakref
 import pytest
 import torch
 from conftest import local_group, poll_for
+from test_inprocess import Unpicklable
 
 from nbrpc.agent import current_agent, set_default_agent
 from nbrpc.errors import NbrpcError, WorkerGoneError
@@ -303,17 +304,6 @@ def test_shutdown_deletes_user_rrefs_still_held_and_reports_them() -> None:
     assert rrefs[0]["role"] == "user" and "test_rref_inprocess.py" in rrefs[0]["site"]
     assert b.ext["rref"].state.owned == {}  # deleted at shutdown, as PyTorch does
     del kept
-
-
-class Unpicklable:
-    """Pickles fine, fails to unpickle: a Remote carrying it never arrives."""
-
-    def __reduce__(self):
-        return _fail_restore, ()
-
-
-def _fail_restore():
-    raise RuntimeError("cannot rebuild this argument here")
 
 
 def test_fork_of_a_failed_creation_fails_promptly(group) -> None:

@@ -42,7 +42,6 @@ import faulthandler
 import os
 import queue
 import signal
-import socket
 import threading
 import time
 import traceback
@@ -54,6 +53,7 @@ from typing import Any
 import pytest
 import torch
 import torch.multiprocessing as mp
+from conftest import free_ports
 
 import nbrpc.debug
 from nbrpc import rpc
@@ -590,19 +590,6 @@ def _child(rank: int, world: str, port: int, results: Any, sync: dict) -> None:
 
 
 # -- the parent side -----------------------------------------------------------------------
-def _free_ports(n: int) -> list[int]:
-    socks = []
-    try:
-        for _ in range(n):
-            s = socket.socket()
-            s.bind(("127.0.0.1", 0))
-            socks.append(s)
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
-
-
 @dataclass
 class World:
     name: str
@@ -631,7 +618,7 @@ def _run_world(name: str) -> World:
     results = ctx.Queue()
     sync = {"barrier": ctx.Barrier(WORLD), "killed": ctx.Event(), "done": ctx.Event(),
             "victim_ready": ctx.Event()}
-    (port,) = _free_ports(1)
+    (port,) = free_ports(1)
     t0 = time.monotonic()
     procs = mp.spawn(_child, args=(name, port, results, sync), nprocs=WORLD, join=False)
     rows: list = []
@@ -748,16 +735,3 @@ def test_graceful_shutdown_after_a_member_died(worlds, world: str, survivors) ->
     assert [w.exitcodes[r] for r in survivors] == [0, 0], w.exitcodes
     assert max(secs) < 5.0, secs
     print({"world": world, "shutdown_s": [round(s, 2) for s in secs]})
-
-
-def test_timing_report(worlds) -> None:
-    """Not a check: prints where the time went (shown with -s / -rP)."""
-    lines = []
-    for name in WORLDS:
-        w = worlds(name)
-        lines.append(f"{name}: {w.secs:.1f} s, exit codes {w.exitcodes}")
-        for r in sorted(w.rows, key=lambda r: (r["phase"], r["rank"])):
-            lines.append(f"  rank{r['rank']} {r['phase']:10} {r['name']:11} "
-                         f"{r.get('secs', 0):6.2f} s {'ok' if r['ok'] else 'FAILED'} "
-                         f"{r.get('info') or ''}")
-    print("\n".join(lines))

@@ -34,7 +34,6 @@ from __future__ import annotations
 import faulthandler
 import json
 import os
-import socket
 import tempfile
 import threading
 import time
@@ -49,6 +48,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 import zmq
+from conftest import free_ports
 
 import nbrpc.debug
 from nbrpc import rpc
@@ -907,19 +907,6 @@ def _child(rank: int, port: int, port2: int, file_path: str, result_dir: str) ->
 
 
 # -- the parent side -----------------------------------------------------------------------
-def _free_ports(n: int) -> list[int]:
-    socks = []
-    try:
-        for _ in range(n):
-            s = socket.socket()
-            s.bind(("127.0.0.1", 0))
-            socks.append(s)
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
-
-
 @dataclass
 class World:
     results: dict
@@ -932,7 +919,7 @@ class World:
 @pytest.fixture(scope="module")
 def world(tmp_path_factory) -> World:
     d = tmp_path_factory.mktemp("script_mode")
-    port, port2 = _free_ports(2)
+    port, port2 = free_ports(2)
     file_path = d / "rendezvous"
     t0 = time.monotonic()
     error = None
