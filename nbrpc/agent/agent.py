@@ -24,6 +24,7 @@ layers install more through :func:`register_extension` (the RRef layer adds
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import itertools
 import logging
@@ -138,6 +139,7 @@ class _Pending:
     timer: list | None = None
     keep: Any = None  # held until the answer (an RRef must outlive its call)
     then: Callable[[Any, BaseException | None], None] | None = None
+    wire: Wire | None = None  # undo of what pickling did, if the callee cannot read it
 
     def settle(self, value: Any = None, error: BaseException | None = None) -> None:
         """Complete the future, then run ``then`` (on the completing thread).
@@ -151,7 +153,7 @@ class _Pending:
                 self.then(value, error)
             except Exception:
                 log.exception("a request's completion hook failed")
-        self.keep = self.then = None
+        self.keep = self.then = self.wire = None
 
 
 @dataclass(slots=True)
@@ -475,7 +477,8 @@ class Agent:
         payload, buffers = dumps(msg, wire)
         mid = next(self._ids)
         fut = RpcFuture(self._io_ident)
-        p = _Pending(fut, peer, msg.op, time.perf_counter(), None, keep, then)
+        p = _Pending(fut, peer, msg.op, time.perf_counter(), None, keep, then,
+                     wire if wire.undo else None)
         self._pending[mid] = p
         if timeout > 0:
             p.timer = self.io.call_later(timeout, self._expire, mid, timeout)
@@ -554,6 +557,8 @@ class Agent:
             p.settle(reply.value)
         else:
             self.remote_errors += 1
+            if reply.unread and p.wire is not None:  # e.g. RRefs forked into it
+                p.wire.unsent()
             p.settle(error=rebuild_error(reply))
 
     def _discard(self, env: Envelope) -> None:
@@ -585,6 +590,11 @@ class Agent:
         op = "?"
         try:
             msg = loads(env.payload, env.buffers, Wire(self, env.sender))
+        except BaseException as e:  # the caller undoes what the message carried
+            self._reply(env, dataclasses.replace(pack_error(e, self.name), unread=True),
+                        op, started)
+            return
+        try:
             op = msg.op
             handler = self.handlers.get(op)
             if handler is None:

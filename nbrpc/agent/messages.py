@@ -71,6 +71,7 @@ class Err:
     message: str
     traceback: str
     exc_pickle: bytes | None
+    unread: bool = False  # the request itself could not be unpickled: nothing of it ran
 
 
 # -- control: membership -------------------------------------------------------

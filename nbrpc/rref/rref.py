@@ -233,15 +233,15 @@ def _reduce_rref(rref: RRef) -> tuple:
             f"{rref!r} belongs to agent {rref._agent.name!r} and cannot be sent by "
             f"{wire.agent.name!r}.")
     rref._check_owner()
-    ctx, st, to = rref._ctx, rref._ctx.state, wire.peer
+    ctx, st, to, rid = rref._ctx, rref._ctx.state, wire.peer, rref._id
     fork: ForkId | None = None
     if rref.is_owner():
         if to != st.rank:  # owner → user: registered now, confirmed on arrival
-            fork = st.fork_from_owner(rref._id, to)
-            wire.on_unsent(lambda: ctx.undo_fork(rref._id, fork))
+            fork = st.fork_from_owner(rid, to)
     else:  # user → anyone: held as a pending child until accepted (G2)
-        fork = st.fork_from_user(rref._id, to, rref)
-        wire.on_unsent(lambda: ctx.undo_fork(rref._id, fork))
+        fork = st.fork_from_user(rid, to, rref)
+    if fork is not None:  # (the undo must not hold the RRef: the call may be long)
+        wire.on_unsent(lambda: ctx.undo_fork(rid, fork))
     if fork is not None:
         ctx._event("forked", rref._id, fork, to, f"to {wire.agent._peer_name(to)}")
     return _rebuild_rref, (rref._id, rref._owner, fork, st.rank, rref.is_owner(), rref._site)
