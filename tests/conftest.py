@@ -7,6 +7,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import pytest
 
@@ -54,6 +55,20 @@ def free_ports(n: int) -> list[int]:
     finally:
         for s in socks:
             s.close()
+
+
+def poll_or_fail(pred: Callable[[], Any], timeout: float, what: Any) -> Any:
+    """Wait for ``pred()`` to be true and return it; on timeout fail, saying what
+    was awaited (``what``, or ``what()`` for an explanation computed then)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = pred()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            why = what() if callable(what) else what
+            raise AssertionError(f"timed out after {timeout} s waiting for {why}")
+        time.sleep(0.02)
 
 
 def poll_for(condition: Callable[[], bool], timeout: float = 5.0, interval: float = 0.005) -> bool:

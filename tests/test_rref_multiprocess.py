@@ -53,7 +53,7 @@ from typing import Any
 import pytest
 import torch
 import torch.multiprocessing as mp
-from conftest import free_ports
+from conftest import free_ports, poll_or_fail
 
 import nbrpc.debug
 from nbrpc import rpc
@@ -182,17 +182,6 @@ def _malloc_trim() -> bool:
         return False
 
 
-def _poll(pred: Callable[[], Any], timeout: float, what: Any) -> Any:
-    """Wait for ``pred()`` to be true; ``what`` (or ``what()``) explains a timeout."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = pred()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            why = what() if callable(what) else what
-            raise AssertionError(f"timed out after {timeout} s waiting for {why}")
-        time.sleep(0.02)
 
 
 def _nothing_alive(expected_owned: int | None = None) -> Callable[[], bool]:
@@ -268,7 +257,7 @@ def _body_cycles(rank: int, sync: dict) -> dict:
         sync["barrier"].wait(WAIT_S)
     expected = _expected_owned(rank)
     t1 = time.monotonic()
-    _poll(_nothing_alive(expected), 10.0, lambda: f"nothing alive: {_explain()}")
+    poll_or_fail(_nothing_alive(expected), 10.0, lambda: f"nothing alive: {_explain()}")
     snap = _rrefs_here()
     assert snap["owned"] == [] and snap["users"] == [] and snap["children"] == [], snap
     assert snap["counters"]["owned_deleted"] == expected, snap["counters"]
@@ -307,7 +296,7 @@ RSS_DROP = 60 << 20
 def _await_owned_ready(n: int) -> dict:
     """On the owner: ``n`` values stored and ready; the RSS at that point."""
     st = current_agent().ext["rref"].state
-    _poll(lambda: len(st.owned) == n and all(e.value.done() for e in list(st.owned.values())),
+    poll_or_fail(lambda: len(st.owned) == n and all(e.value.done() for e in list(st.owned.values())),
           10.0, lambda: f"{n} owned values: {_rrefs_here()['owned'][:3]}")
     owned = _rrefs_here()["owned"]
     return {"rss": _rss(), "owned_nbytes": sum(o["nbytes"] for o in owned)}
@@ -319,7 +308,7 @@ def _await_freed(peak: int) -> dict:
     is free: values still alive keep theirs)."""
     t0 = time.monotonic()
     st = current_agent().ext["rref"].state
-    _poll(lambda: not st.owned, 10.0, lambda: f"an empty owner table: {_explain()}")
+    poll_or_fail(lambda: not st.owned, 10.0, lambda: f"an empty owner table: {_explain()}")
     empty_s = time.monotonic() - t0
     rss_at_empty = _rss()
     trimmed = False
@@ -333,7 +322,7 @@ def _await_freed(peak: int) -> dict:
         return peak - _rss() >= RSS_DROP
 
     info = {"empty_s": round(empty_s, 3), "peak": peak, "rss_at_empty": rss_at_empty}
-    _poll(dropped, 8.0, lambda: f"RSS to drop by {RSS_DROP >> 20} MiB: "
+    poll_or_fail(dropped, 8.0, lambda: f"RSS to drop by {RSS_DROP >> 20} MiB: "
                               f"{dict(info, rss_now=_rss())}")
     return dict(info, rss_final=_rss(), malloc_trim_used=trimmed,
                 deleted=st.deleted, drop_mib=round((peak - _rss()) / 2**20, 1))
@@ -391,9 +380,9 @@ def _body_owner_dies(rank: int, sync: dict) -> dict:
     assert doomed.to_here(timeout=RPC_TIMEOUT_S).tag == "doomed"
     assert rpc.rpc_sync("worker1", _keep, args=(doomed,), timeout=RPC_TIMEOUT_S) == "doomed"
     never = rpc.remote("worker2", _never_ready)
-    _poll(never.confirmed_by_owner, 5.0, "the owner to confirm the RRef to a pending value")
+    poll_or_fail(never.confirmed_by_owner, 5.0, "the owner to confirm the RRef to a pending value")
     waiting = _fetch_in_thread(never)  # in flight across the death, whatever the timing
-    _poll(lambda: any(c["op"] == "rref_fetch" for c in nbrpc.debug.snapshot(events=0)[
+    poll_or_fail(lambda: any(c["op"] == "rref_fetch" for c in nbrpc.debug.snapshot(events=0)[
         "in_flight"]), 5.0, "the fetch of the pending value to be in flight")
     pid2 = rpc.rpc_sync("worker2", _pid, timeout=RPC_TIMEOUT_S)
     sync["victim_ready"].wait(WAIT_S)  # its queue is flushed: nothing is lost with it
@@ -431,11 +420,11 @@ def _body_owner_dies(rank: int, sync: dict) -> dict:
     assert "owner-gone" in repr(doomed) or "released" in repr(doomed), repr(doomed)
     del doomed, never, waiting
     st = current_agent().ext["rref"].state
-    _poll(lambda: not st.owned and not st.users and not st.children, 5.0,
+    poll_or_fail(lambda: not st.owned and not st.users and not st.children, 5.0,
           lambda: f"empty RRef tables on master: {_explain()}")
     # the RRef objects themselves: reported, and checked by a test of their own
     try:
-        _poll(_nothing_alive(), 2.0, "the RRef objects to be freed")
+        poll_or_fail(_nothing_alive(), 2.0, "the RRef objects to be freed")
         live: list = []
     except AssertionError:
         live = [repr(r) for r in list(current_agent().ext["rref"].live)]
@@ -447,7 +436,7 @@ def _body_owner_dies(rank: int, sync: dict) -> dict:
 def _owner_dies_rank1(sync: dict) -> dict:
     try:
         assert sync["killed"].wait(WAIT_S), "rank 0 did not kill rank 2"
-        _poll(lambda: "worker2" not in [m["name"] for m in nbrpc.debug.snapshot(events=0)[
+        poll_or_fail(lambda: "worker2" not in [m["name"] for m in nbrpc.debug.snapshot(events=0)[
             "members"]], 5.0, "worker2 to leave rank 1's member table")
         assert len(_KEPT) == 1
         with pytest.raises(WorkerGoneError, match="'worker2' died"):
@@ -461,7 +450,7 @@ def _owner_dies_rank1(sync: dict) -> dict:
         assert r.rpc_sync(timeout=10).get() == "from1"
         del r
         # "alive" and "o2u" were owned here; rank 0 dropped them
-        _poll(_nothing_alive(2), 5.0, lambda: f"nothing alive on worker1: {_explain()}")
+        poll_or_fail(_nothing_alive(2), 5.0, lambda: f"nothing alive on worker1: {_explain()}")
         return {"counts": _counts()}
     finally:
         sync["done"].set()
@@ -501,15 +490,15 @@ def _body_user_dies(rank: int, sync: dict) -> dict:
         return len(owned) == 3 and all(
             o["owner_refs"] == 0 and set(o["forks"].values()) == {"worker1"} for o in owned)
 
-    _poll(held_by_worker1_only, 5.0, lambda: f"forks held by worker1 only: {_explain()}")
+    poll_or_fail(held_by_worker1_only, 5.0, lambda: f"forks held by worker1 only: {_explain()}")
     assert _counts() == {"created": 3, "deleted": 0}, _counts()
     pid1 = rpc.rpc_sync("worker1", _pid, timeout=RPC_TIMEOUT_S)
     sync["victim_ready"].wait(WAIT_S)
     t_kill = time.monotonic()
     os.kill(pid1, signal.SIGKILL)
-    _poll(lambda: not st.owned, DEATH_DETECTED_S, lambda: f"an empty owner table: {_explain()}")
+    poll_or_fail(lambda: not st.owned, DEATH_DETECTED_S, lambda: f"an empty owner table: {_explain()}")
     empty_s = time.monotonic() - t_kill
-    _poll(_nothing_alive(3), 2.0, lambda: f"nothing alive on master: {_explain()}")
+    poll_or_fail(_nothing_alive(3), 2.0, lambda: f"nothing alive on master: {_explain()}")
     assert rpc.rpc_sync("worker2", _whoami, timeout=10) == "worker2"
     assert [m["name"] for m in nbrpc.debug.snapshot(events=0)["members"]] == ["master", "worker2"]
     sync["done"].set()

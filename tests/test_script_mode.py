@@ -48,7 +48,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 import zmq
-from conftest import free_ports
+from conftest import free_ports, poll_or_fail
 
 import nbrpc.debug
 from nbrpc import rpc
@@ -263,15 +263,6 @@ def _local_counters() -> dict:
     return nbrpc.debug.snapshot(events=1)["counters"]
 
 
-def _poll(pred: Callable[[], Any], timeout: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = pred()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(0.02)
 
 
 # ---- main phase ----
@@ -661,7 +652,7 @@ def tampered_messages_are_dropped():
         sock.connect(address)
         for frames in bad:
             sock.send_multipart(frames)
-        got = _poll(lambda: (c := rpc.rpc_sync("worker1", _counters, timeout=10))[
+        got = poll_or_fail(lambda: (c := rpc.rpc_sync("worker1", _counters, timeout=10))[
             "dropped_bad_signature"] >= before + len(bad) and c, 5.0,
             "worker1 to count the dropped messages")
         sock.close()
@@ -694,7 +685,7 @@ def late_replies_are_discarded():
     # runs last: the two timed-out calls above sleep 2 s; their replies come late
     want = _CTX.get("late_replies_expected")
     assert want is not None, "the timeout check did not run"
-    c = _poll(lambda: (c := _local_counters())["late_replies"] >= want and c, 5.0,
+    c = poll_or_fail(lambda: (c := _local_counters())["late_replies"] >= want and c, 5.0,
               "the late replies of the timed-out calls")
     assert c["late_replies"] == want, c
     assert c["in_flight"] == 0, c
