@@ -454,11 +454,14 @@ class Agent:
 
     # -- calls: caller side --------------------------------------------------
     def rpc_async(self, to: Any, fn: Callable, args: tuple | None = None,
-                  kwargs: dict | None = None, timeout: float = -1.0) -> RpcFuture:
-        """Run ``fn(*args, **kwargs)`` on ``to``; returns a future of the result."""
+                  kwargs: dict | None = None, timeout: float = -1.0,
+                  keep: Any = None) -> RpcFuture:
+        """Run ``fn(*args, **kwargs)`` on ``to``; returns a future of the result.
+        ``keep`` is held until the answer (see :meth:`request`)."""
         if not callable(fn):
             raise TypeError(f"func must be callable, got {type(fn).__name__}")
-        return self.request(to, Call(fn, tuple(args or ()), dict(kwargs or {})), timeout)
+        return self.request(to, Call(fn, tuple(args or ()), dict(kwargs or {})), timeout,
+                            keep=keep)
 
     def request(self, to: Any, msg: Any, timeout: float = -1.0, inline: bool = False,
                 keep: Any = None,

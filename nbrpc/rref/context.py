@@ -95,10 +95,6 @@ class CancelFetch:
     reason: str
 
 
-for _cls in (ForkRequest, ChildAccept, Delete):
-    fast_pickle(_cls)
-
-
 class RRefContext:
     """The RRef state of one agent, and everything that moves it."""
 
@@ -188,8 +184,8 @@ class RRefContext:
                 if owner in self.agent._members:  # forks of it fail too, promptly
                     try:
                         self.agent.request(owner, CancelFetch(rref_id, why))
-                    except Exception:
-                        pass
+                    except Exception as err:  # the owner went meanwhile: nothing waits
+                        log.debug("CancelFetch for RRef %s not sent: %s", rref_id, err)
                 return
             self._event("confirmed", rref_id, fork, owner)
             self.send(self.state.on_confirmed(fork))

@@ -39,7 +39,6 @@ from ..agent import (
     register_extension,
 )
 from ..agent.agent import Wire
-from ..agent.messages import Call
 from ..errors import NbrpcError, WorkerGoneError
 from ..serialize import current_context, register_reducer
 from .context import CancelFetch, Fetch, Remote, RRefContext, _settle
@@ -287,8 +286,8 @@ class _Proxy:
             if how == "remote":  # (keep: no Delete may overtake the call)
                 return remote(agent, rref._owner, _call_method_on_owner, call_args, {},
                               timeout, keep=rref)
-            fut = agent.request(rref._owner, Call(_call_method_on_owner, call_args, {}),
-                                timeout, keep=rref)
+            fut = agent.rpc_async(rref._owner, _call_method_on_owner, call_args,
+                                  timeout=timeout, keep=rref)
             return fut.wait() if how == "rpc_sync" else fut
 
         invoke.__name__ = name

@@ -44,6 +44,8 @@ from typing import Any, NamedTuple
 
 import torch
 
+from ..agent.messages import fast_pickle
+
 
 class RRefId(NamedTuple):
     """Globally unique: the rank that made the id and a counter there."""
@@ -59,6 +61,7 @@ ForkId = RRefId  # a user copy's id has the same shape
 
 
 # -- messages (the agent sends them as requests; the reply is the ack) -----------
+@fast_pickle
 @dataclass(frozen=True, slots=True)
 class ForkRequest:
     """Receiver of a user→user fork asks the owner to register it."""
@@ -68,6 +71,7 @@ class ForkRequest:
     fork_id: ForkId
 
 
+@fast_pickle
 @dataclass(frozen=True, slots=True)
 class ChildAccept:
     """To the parent: the child fork is known to the owner; stop holding it."""
@@ -77,6 +81,7 @@ class ChildAccept:
     fork_id: ForkId
 
 
+@fast_pickle
 @dataclass(frozen=True, slots=True)
 class Delete:
     """A user dropped its fork (G1)."""
@@ -312,32 +317,29 @@ class RRefState:
 
     def on_confirmed(self, fork: ForkId) -> Outbox:
         """The owner acknowledged ``fork`` (the reply to Remote or ForkRequest)."""
-        with self._lock:
-            user = self.users.get(fork)
-            if user is None or user.state != PENDING:
-                return []
-            user.state = CONFIRMED
-            out: Outbox = []
-            if user.parent is not None:  # (to ourselves too, for a fork sent to self)
-                out.append((user.parent, ChildAccept(user.rref_id, fork)))
-            if user.released:
-                out += self._delete(user)
-            return out
+        return self._settle(fork, CONFIRMED)
 
     def on_failed(self, fork: ForkId) -> Outbox:
         """The Remote or ForkRequest registering ``fork`` failed (no answer after
         every retry). The owner may still have stored it, so a release still
         sends a (harmless) Delete; a parent stops holding its child (the copy
         here is broken either way, and the parent must not leak)."""
+        return self._settle(fork, FAILED)
+
+    def _settle(self, fork: ForkId, state: str) -> Outbox:
+        """A pending fork is settled either way: its parent may let go (to
+        ourselves too, for a fork sent to self), and a delete held back goes out."""
         with self._lock:
             user = self.users.get(fork)
             if user is None or user.state != PENDING:
                 return []
-            user.state = FAILED
+            user.state = state
             out: Outbox = []
             if user.parent is not None:
                 out.append((user.parent, ChildAccept(user.rref_id, fork)))
-            return out + (self._delete(user) if user.released else [])
+            if user.released:
+                out += self._delete(user)
+            return out
 
     def release_user(self, fork: ForkId) -> Outbox:
         """The user RRef object was garbage-collected."""
@@ -423,7 +425,3 @@ class RRefState:
             return len(self.children) + sum(
                 1 for u in self.users.values()
                 if u.state == DELETING or (u.state == PENDING and u.released))
-
-    def pending_children(self, rref_id: RRefId) -> list[Child]:
-        with self._lock:
-            return [c for c in self.children.values() if c.rref_id == rref_id]
