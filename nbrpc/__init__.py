@@ -8,4 +8,5 @@ __version__ = "0.1.0"
 
 # Layers that install themselves into every agent (request handlers, state):
 # imported here so that an agent made through any entry point has them all.
+from . import autograd as _autograd  # noqa: E402,F401
 from . import rref as _rref  # noqa: E402,F401

@@ -16,7 +16,8 @@ subclasses ``RuntimeError`` too, so code written against
     ├── SerializationError         an argument or result could not be pickled
     ├── RendezvousError            init_rpc could not form the group
     ├── ShutdownError              the agent is shutting down
-    └── RemoteError                a remote failure whose type did not unpickle
+    ├── RemoteError                a remote failure whose type did not unpickle
+    └── CompositeError             several workers failed in one fan-out (every one listed)
 """
 
 from __future__ import annotations
@@ -125,3 +126,25 @@ class RemoteError(NbrpcError):
     def _render_traceback_(self) -> list[str]:
         """IPython shows the remote traceback instead of the local one."""
         return [f"RemoteError on {self.worker!r}:", *self.traceback.rstrip().splitlines()]
+
+
+class CompositeError(NbrpcError):
+    """Several workers failed in one fan-out operation (``DistributedOptimizer.step``).
+
+    ``errors`` maps each failing worker's name to its exception; the message
+    lists them all, not just the last one."""
+
+    def __init__(self, what: str, errors: dict[str, BaseException]) -> None:
+        self.errors = dict(errors)
+        lines = [f"  {w}: {type(e).__name__}: {e}" for w, e in sorted(self.errors.items())]
+        super().__init__(f"{what} failed on {len(self.errors)} worker(s):\n" + "\n".join(lines))
+
+    def __reduce__(self):
+        return (CompositeError._rebuild, (self.args[0], list(self.errors)))
+
+    @staticmethod
+    def _rebuild(message: str, workers: list[str]) -> CompositeError:
+        e = CompositeError.__new__(CompositeError)
+        NbrpcError.__init__(e, message)
+        e.errors = dict.fromkeys(workers)
+        return e

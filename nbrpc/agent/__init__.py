@@ -4,6 +4,8 @@ from .agent import (
     Agent,
     AgentOptions,
     Deferred,
+    Propagator,
+    Wire,
     current_agent,
     register_extension,
     set_default_agent,
@@ -12,6 +14,6 @@ from .asyncfn import check_future, is_async, mark_async
 from .futures import RpcFuture, detach, fresh, outcome
 from .group import WorkerInfo
 
-__all__ = ["Agent", "AgentOptions", "Deferred", "RpcFuture", "WorkerInfo", "check_future",
+__all__ = ["Agent", "AgentOptions", "Deferred", "Propagator", "RpcFuture", "Wire", "WorkerInfo", "check_future",
            "current_agent", "detach", "fresh", "is_async", "mark_async", "outcome",
            "register_extension", "set_default_agent"]

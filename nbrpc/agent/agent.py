@@ -109,13 +109,16 @@ def set_default_agent(agent: Agent | None) -> None:
 class Wire:
     """What a reducer sees (``nbrpc.serialize.current_context()``) while a
     message is pickled or unpickled: this agent, the peer at the other end,
-    and ``undo`` callbacks to run if the message is never sent."""
+    ``undo`` callbacks to run if the message is never sent, the value the
+    message propagates (``tag``: the autograd context id) and a scratch dict
+    for upper layers (``stash``: one autograd message id per message)."""
 
-    __slots__ = ("agent", "peer", "undo")
+    __slots__ = ("agent", "peer", "undo", "tag", "stash")
 
-    def __init__(self, agent: Agent, peer: int) -> None:
-        self.agent, self.peer = agent, peer
+    def __init__(self, agent: Agent, peer: int, tag: Any = None) -> None:
+        self.agent, self.peer, self.tag = agent, peer, tag
         self.undo: list[Callable[[], None]] | None = None
+        self.stash: dict[str, Any] | None = None
 
     def on_unsent(self, fn: Callable[[], None]) -> None:
         if self.undo is None:
@@ -128,6 +131,40 @@ class Wire:
                 fn()
             except Exception:
                 log.exception("undoing an unsent message's side effects failed")
+
+
+class Propagator:
+    """How an upper layer propagates a value with requests (the autograd layer:
+    the context id). ``current()`` is the calling thread's value or None; the
+    receiver runs the request's handler inside ``enter(value)``."""
+
+    def current(self) -> Any:
+        return None
+
+    def enter(self, value: Any) -> Any:  # a context manager
+        raise NotImplementedError
+
+    def sent(self, value: Any, peer: int) -> None:
+        """A request carrying ``value`` is going to ``peer``."""
+
+
+class _Tag:
+    """First item of a tagged payload: unpickling it sets the receiving
+    Wire's tag before the message itself is rebuilt, so reducers see it."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+    def __reduce__(self) -> tuple:
+        return _restore_tag, (self.value,)
+
+
+def _restore_tag(value: Any) -> type:
+    from ..serialize import current_context
+    current_context().tag = value
+    return _Tag
 
 
 @dataclass(slots=True)
@@ -218,6 +255,7 @@ class Agent:
         self.busy_checks: list[Callable[[], int]] = []
         self.shutdown_hooks: list[Callable[[bool], None]] = []
         self.faults = FaultPlan()
+        self.propagator: Propagator | None = None  # set by the autograd layer
         self.state = "new"
         self._pending: dict[int, _Pending] = {}
         self._ids = itertools.count(1)
@@ -476,8 +514,11 @@ class Agent:
         peer = self.resolve(to).rank
         if timeout is None or timeout < 0:
             timeout = self.options.rpc_timeout
-        wire = Wire(self, peer)
-        payload, buffers = dumps(msg, wire)
+        tag = None if inline or self.propagator is None else self.propagator.current()
+        if tag is not None:
+            self.propagator.sent(tag, peer)
+        wire = Wire(self, peer, tag)
+        payload, buffers = dumps(msg if tag is None else (_Tag(tag), msg), wire)
         mid = next(self._ids)
         fut = RpcFuture(self._io_ident)
         p = _Pending(fut, peer, msg.op, time.perf_counter(), None, keep, then,
@@ -591,35 +632,45 @@ class Agent:
     def _serve(self, env: Envelope) -> None:
         started = time.perf_counter()
         op = "?"
+        wire = Wire(self, env.sender)
         try:
-            msg = loads(env.payload, env.buffers, Wire(self, env.sender))
+            msg = loads(env.payload, env.buffers, wire)
         except BaseException as e:  # the caller undoes what the message carried
             self._reply(env, dataclasses.replace(pack_error(e, self.name), unread=True),
-                        op, started)
+                        op, started, wire.tag)
             return
+        tag = wire.tag
         try:
+            if tag is not None:  # (tagged: a (_Tag, message) pair)
+                msg = msg[1]
             op = msg.op
             handler = self.handlers.get(op)
             if handler is None:
                 raise SerializationError(f"no handler for request op {op!r} on {self.name!r}")
-            result = handler(msg, env.sender)
+            if tag is None or self.propagator is None:
+                result = handler(msg, env.sender)
+            else:
+                with self.propagator.enter(tag):
+                    result = handler(msg, env.sender)
         except BaseException as e:
-            self._reply(env, pack_error(e, self.name), op, started)
+            self._reply(env, pack_error(e, self.name), op, started, tag)
             return
         if type(result) is Deferred:
             result.future.add_done_callback(
-                lambda f: self._reply_future(env, f, op, started))
+                lambda f: self._reply_future(env, f, op, started, tag))
         else:
-            self._reply(env, Ok(result), op, started)
+            self._reply(env, Ok(result), op, started, tag)
 
-    def _reply_future(self, env: Envelope, f: torch.futures.Future, op: str, started: float) -> None:
+    def _reply_future(self, env: Envelope, f: torch.futures.Future, op: str, started: float,
+                      tag: Any = None) -> None:
         value, error = outcome(f)
         reply: Any = Ok(value) if error is None else pack_error(error, self.name)
-        self._reply(env, reply, op, started)
+        self._reply(env, reply, op, started, tag)
 
-    def _reply(self, env: Envelope, reply: Any, op: str, started: float) -> None:
+    def _reply(self, env: Envelope, reply: Any, op: str, started: float,
+               tag: Any = None) -> None:
         peer = env.sender
-        wire = Wire(self, peer)
+        wire = Wire(self, peer, tag)  # tensors in the reply are recorded under the tag
         try:
             payload, buffers = dumps(reply, wire)
         except SerializationError as e:

@@ -28,6 +28,8 @@ def pack_error(e: BaseException, worker: str) -> Err:
         exc_pickle = cloudpickle.dumps(e) if isinstance(e, Exception) else None
     except Exception:
         exc_pickle = None
+    # an error that came from further away keeps the worker it was raised on
+    worker = getattr(e, "remote_worker", None) or worker
     return Err(worker, f"{type(e).__module__}.{type(e).__qualname__}", str(e), tb, exc_pickle)
 
 

@@ -211,6 +211,19 @@ class RRef(Generic[T]):
         """``rref.remote().method(*args)``: an RRef to the method's result, on the owner."""
         return _Proxy(self, "remote", timeout)
 
+    def backward(self, dist_autograd_ctx_id: int = -1, retain_graph: bool = False) -> None:
+        """Run backward from this RRef's value (a scalar tensor), on its owner.
+
+        With ``dist_autograd_ctx_id`` (from ``nbrpc.autograd.context()``), a
+        distributed backward pass in that context starts on the owner; with -1,
+        a local ``value.backward()`` runs there (gradients in ``.grad``)."""
+        args = (self._id, dist_autograd_ctx_id, retain_graph)
+        if self.is_owner():
+            _backward_on_owner(*args)
+            return
+        self._check_owner()
+        self._agent.rpc_async(self._owner, _backward_on_owner, args, keep=self).wait()
+
     def __repr__(self) -> str:
         role = "owner" if self.is_owner() else f"user fork {self._fork}"
         return f"RRef(id={self._id}, owner={self.owner_name()!r}, {role}, {self._state()})"
@@ -326,6 +339,18 @@ def _call_method_on_owner(rref_id: RRefId, name: str, args: tuple, kwargs: dict,
 
 
 mark_async(_call_method_on_owner)
+
+
+def _backward_on_owner(rref_id: RRefId, ctx_id: int, retain_graph: bool) -> None:
+    agent = current_agent()
+    value = agent.ext["rref"].entry(rref_id).value.wait()
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"RRef.backward needs a tensor value; RRef {rref_id} holds a "
+                        f"{type(value).__name__}")
+    if ctx_id == -1:
+        value.backward(retain_graph=retain_graph)
+    else:  # the autograd layer (above this one) installs how to run it
+        agent.ext["autograd_backward"](ctx_id, [value], retain_graph)
 
 
 def remote(agent: Agent, to: Any, fn: Any, args: tuple, kwargs: dict, timeout: float,

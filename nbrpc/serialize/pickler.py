@@ -42,6 +42,21 @@ def register_reducer(cls: type, reducer: Callable[[Any], tuple]) -> None:
     _REDUCERS[cls] = reducer
 
 
+class _GradHooks:
+    """Set by the autograd layer: ``on_send(tensor, context)`` is called for
+    each tensor that requires grad as it is pickled and returns a token (or
+    None); ``on_recv(tensor, token, context)`` gets it back on the receiver."""
+
+    on_send: Callable[[torch.Tensor, Any], Any] | None = None
+    on_recv: Callable[[torch.Tensor, Any, Any], None] | None = None
+
+
+def register_grad_hooks(on_send: Callable[[torch.Tensor, Any], Any],
+                        on_recv: Callable[[torch.Tensor, Any, Any], None]) -> None:
+    """Record tensors that require grad as they travel (see :class:`_GradHooks`)."""
+    _GradHooks.on_send, _GradHooks.on_recv = on_send, on_recv
+
+
 def current_context() -> Any:
     """The context object of the message being pickled or unpickled, or None."""
     return _context.get()
@@ -63,17 +78,20 @@ def _reduce_tensor(t: torch.Tensor) -> tuple:
             )
         return t.__reduce_ex__(PROTOCOL)  # torch's own in-band pickling
     requires_grad, is_param = t.requires_grad, type(t) is torch.nn.Parameter
+    token = None
+    if requires_grad and _GradHooks.on_send is not None:
+        token = _GradHooks.on_send(t, _context.get())
     try:
         arr = (t.detach() if requires_grad or is_param else t).numpy()
     except TypeError:  # no numpy dtype: export the bytes through a torch view
         data = t.detach().contiguous()
         arr = data.reshape(-1).view(torch.uint8).numpy() if data.numel() else np.empty(0, np.uint8)
         return _rebuild_torch, (
-            pickle.PickleBuffer(arr), t.dtype, tuple(t.shape), requires_grad, is_param)
+            pickle.PickleBuffer(arr), t.dtype, tuple(t.shape), requires_grad, is_param, token)
     if not arr.flags.c_contiguous:
         arr = np.ascontiguousarray(arr)  # only the view's own elements travel
     return _rebuild_numpy, (
-        pickle.PickleBuffer(arr), arr.dtype.str, arr.shape, requires_grad, is_param)
+        pickle.PickleBuffer(arr), arr.dtype.str, arr.shape, requires_grad, is_param, token)
 
 
 def parallel_copy(dst: memoryview, src: memoryview) -> None:
@@ -88,27 +106,29 @@ def _writable(buf: Any) -> Any:
     return bytearray(buf) if memoryview(buf).readonly else buf
 
 
-def _finish(t: torch.Tensor, requires_grad: bool, is_param: bool) -> torch.Tensor:
+def _finish(t: torch.Tensor, requires_grad: bool, is_param: bool, token: Any) -> torch.Tensor:
     if is_param:
-        return torch.nn.Parameter(t, requires_grad=requires_grad)
-    if requires_grad:
+        t = torch.nn.Parameter(t, requires_grad=requires_grad)
+    elif requires_grad:
         t.requires_grad_(True)
+    if token is not None and _GradHooks.on_recv is not None:
+        _GradHooks.on_recv(t, token, _context.get())
     return t
 
 
 def _rebuild_numpy(buf: Any, dtype: str, shape: tuple, requires_grad: bool,
-                   is_param: bool) -> torch.Tensor:
+                   is_param: bool, token: Any = None) -> torch.Tensor:
     arr = np.frombuffer(_writable(buf), dtype=dtype).reshape(shape)
-    return _finish(torch.from_numpy(arr), requires_grad, is_param)
+    return _finish(torch.from_numpy(arr), requires_grad, is_param, token)
 
 
 def _rebuild_torch(buf: Any, dtype: torch.dtype, shape: tuple, requires_grad: bool,
-                   is_param: bool) -> torch.Tensor:
+                   is_param: bool, token: Any = None) -> torch.Tensor:
     if memoryview(buf).nbytes == 0:
         t = torch.empty(shape, dtype=dtype)
     else:
         t = torch.frombuffer(_writable(buf), dtype=torch.uint8).view(dtype).reshape(shape)
-    return _finish(t, requires_grad, is_param)
+    return _finish(t, requires_grad, is_param, token)
 
 
 register_reducer(torch.Tensor, _reduce_tensor)

@@ -1,0 +1,96 @@
+"""Distributed autograd: the same API as ``torch.distributed.autograd``, plus
+a backward pass you can run one stage at a time.
+
+>>> import torch
+>>> from nbrpc import autograd as dist_autograd
+>>> from nbrpc.rpc.api import init_rpc, rpc_sync, shutdown, _free_port_options
+>>> init_rpc("a", rank=0, world_size=1, rpc_backend_options=_free_port_options())
+>>> w = torch.tensor([1.0, 2.0], requires_grad=True)
+>>> with dist_autograd.context() as ctx:
+...     y = rpc_sync("a", torch.mul, args=(w, w))
+...     dist_autograd.backward(ctx, [y.sum()])
+...     dist_autograd.get_gradients(ctx)[w]
+tensor([2., 4.])
+>>> w.grad is None  # gradients live in the context, never in .grad
+True
+>>> shutdown()
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from typing import Any
+
+import torch
+
+from ..agent import Agent, current_agent, register_extension
+from ..serialize import register_grad_hooks
+from . import backward as _backward
+from .context import AutogradContext, Contexts, Release, contexts_of
+from .engine import BackwardError, LocalPass, StageRecord
+from .stepper import BackwardStepper
+
+__all__ = ["AutogradContext", "BackwardError", "BackwardStepper", "LocalPass", "StageRecord",
+           "backward", "backward_stepper", "context", "get_gradients"]
+
+
+def context() -> contextlib.AbstractContextManager[int]:
+    """A distributed autograd context: ``with context() as context_id:``.
+
+    RPCs sent inside the block carry ``context_id``; tensors that require grad
+    are recorded as they travel; leaving the block releases the context on
+    every worker that took part. One context per thread at a time."""
+    return contexts_of(current_agent("nbrpc.autograd.context")).context()
+
+
+def backward(context_id: int, roots: list[torch.Tensor], retain_graph: bool = False) -> None:
+    """Run the backward pass from ``roots`` (scalars) across every worker the
+    graph reaches; leaf gradients accumulate in the context on each worker
+    (see :func:`get_gradients`), never in ``.grad``."""
+    _backward.run_backward(current_agent("nbrpc.autograd.backward"), context_id, roots,
+                           retain_graph)
+
+
+def get_gradients(context_id: int) -> dict[torch.Tensor, torch.Tensor]:
+    """``{tensor: gradient}`` for this worker's leaves in ``context_id``."""
+    ctx = contexts_of(current_agent("nbrpc.autograd.get_gradients")).get(context_id)
+    with ctx.lock:
+        return dict(ctx.grads)
+
+
+def backward_stepper(context_id: int, roots: list[torch.Tensor],
+                     retain_graph: bool = False) -> BackwardStepper:
+    """The same pass as :func:`backward`, run one stage per ``.step()`` (see
+    :class:`BackwardStepper`)."""
+    return BackwardStepper(current_agent("nbrpc.autograd.backward_stepper"), context_id,
+                           roots, retain_graph)
+
+
+# -- installation into every agent ----------------------------------------------------------
+def _on_send(t: torch.Tensor, wire: Any) -> Any:
+    if getattr(wire, "tag", None) is None:
+        return None
+    return contexts_of(wire.agent).on_send(t, wire)
+
+
+def _on_recv(t: torch.Tensor, token: Any, wire: Any) -> None:
+    agent = getattr(wire, "agent", None)
+    if agent is not None:
+        contexts_of(agent).on_recv(t, token, wire)
+
+
+def _install(agent: Agent) -> None:
+    contexts = Contexts(agent)
+    agent.ext["autograd"] = contexts
+    agent.propagator = contexts
+    agent.handlers[Release.op] = contexts.handle_release
+    agent.ext["autograd_backward"] = functools.partial(_backward.run_backward, agent)
+    _backward.install(contexts)
+    agent.gone_hooks.append(contexts.on_member_gone)
+    agent.snapshot_sections["autograd"] = contexts.snapshot
+
+
+register_grad_hooks(_on_send, _on_recv)
+register_extension(_install)
+

@@ -1,0 +1,292 @@
+"""Distributed autograd contexts of one agent, and how tensors are recorded.
+
+A context id is unique in the group: the creating worker's rank in the high
+16 bits. While a thread is inside ``context()``, every request it sends
+carries the id (the agent's :class:`~nbrpc.agent.Propagator`), and the callee
+runs the handler inside the same id, so nested calls carry it further.
+
+Recording happens while messages are pickled: a tensor that requires grad,
+pickled for a message that carries a context id (a request sent inside the
+context, or the reply to one), is added to a *send function* of that
+message on the sender; the receiver adds the rebuilt tensor, a new leaf of
+its graph, to the *recv function* with the same autograd message id. Both
+belong to the context with that id on their worker. A message never sent
+(or that the receiver could not read) takes its send function back.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import logging
+import random
+import threading
+from collections import deque
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..agent import Agent, Propagator, Wire
+from .engine import LocalPass, StageRecord, norm
+
+log = logging.getLogger(__name__)
+
+RANK_SHIFT = 48  # context and message ids: rank << 48 | counter
+MAX_STAGE_RECORDS = 256
+MAX_TOMBSTONES = 65_536
+
+_thread = threading.local()  # .active: (registry, context id) of this thread, or None
+
+
+@dataclass
+class SendFn:
+    """Tensors this worker sent in message ``msg_id`` to ``peer``, requiring grad."""
+
+    peer: int
+    tensors: list[torch.Tensor] = field(default_factory=list)
+
+
+@dataclass
+class RecvFn:
+    """Tensors received in message ``msg_id`` from ``peer``: leaves of this graph."""
+
+    peer: int
+    tensors: list[torch.Tensor] = field(default_factory=list)
+
+
+class AutogradContext:
+    """One distributed autograd context on one worker."""
+
+    def __init__(self, ctx_id: int) -> None:
+        self.id = ctx_id
+        self.creator = ctx_id >> RANK_SHIFT
+        self.sends: dict[int, SendFn] = {}
+        self.recvs: dict[int, RecvFn] = {}
+        self.grads: dict[torch.Tensor, torch.Tensor] = {}
+        self.known: set[int] = set()  # workers it exchanged tensors or gradients with
+        self.passes: dict[tuple[int, int], LocalPass] = {}
+        self.stages: deque[dict[str, Any]] = deque(maxlen=MAX_STAGE_RECORDS)
+        self.lock = threading.RLock()  # one stage at a time per context and worker
+        self.leaf_names: dict[int, str] = {}  # id(tensor) -> a name for the records
+
+    def accumulate(self, leaf: torch.Tensor, g: torch.Tensor) -> None:
+        old = self.grads.get(leaf)
+        self.grads[leaf] = g if old is None else old + g
+
+    def new_pass(self, worker: str, pass_id: tuple[int, int], retain_graph: bool,
+                 roots: list[torch.Tensor] | None = None) -> LocalPass:
+        """The pass ``pass_id`` on this worker (made on its first gradient)."""
+        lp = self.passes.get(pass_id)
+        if lp is None:
+            lp = self.passes[pass_id] = LocalPass(
+                worker, {m: s.tensors for m, s in self.sends.items()},
+                {m: (r.peer, r.tensors) for m, r in self.recvs.items()}, self.accumulate,
+                roots=roots, retain_graph=retain_graph, names=self.leaf_name)
+        return lp
+
+    def leaf_name(self, t: torch.Tensor) -> str:
+        return self.leaf_names.get(id(t)) or f"leaf{list(t.shape)}"
+
+    def add_stage(self, record: StageRecord) -> dict[str, Any]:
+        data = record.as_dict()
+        self.stages.append(data)
+        return data
+
+    def snapshot(self, names: Any) -> dict[str, Any]:
+        with self.lock:
+            return {
+                "id": self.id,
+                "creator": names(self.creator),
+                "known_workers": sorted(names(r) for r in self.known),
+                "sends": [{"msg_id": m, "to": names(s.peer),
+                           "shapes": [list(t.shape) for t in s.tensors]}
+                          for m, s in self.sends.items()],
+                "recvs": [{"msg_id": m, "from": names(r.peer),
+                           "shapes": [list(t.shape) for t in r.tensors]}
+                          for m, r in self.recvs.items()],
+                "gradients": [{"leaf": self.leaf_name(t), "shape": list(t.shape),
+                               "norm": norm(g)} for t, g in self.grads.items()],
+                "passes": len(self.passes),
+                "blocked": sum(p.blocked() for p in self.passes.values()),
+                "stages": list(self.stages),
+            }
+
+
+class Contexts(Propagator):
+    """The autograd contexts of one agent (``agent.ext["autograd"]``)."""
+
+    def __init__(self, agent: Agent) -> None:
+        self.agent = agent
+        self.contexts: dict[int, AutogradContext] = {}
+        self._released: set[int] = set()
+        self._released_order: deque[int] = deque()
+        self._lock = threading.Lock()
+        start = random.getrandbits(40)  # a restarted rank does not reuse ids
+        self._ids = itertools.count(start)
+        self._passes = itertools.count(1)
+
+    def new_id(self) -> int:
+        return (self.agent.rank << RANK_SHIFT) | (next(self._ids) & ((1 << RANK_SHIFT) - 1))
+
+    # -- the calling thread's context (Propagator) -------------------------------------
+    def current(self) -> int | None:
+        active = getattr(_thread, "active", None)
+        return active[1] if active is not None and active[0] is self else None
+
+    def sent(self, ctx_id: int, peer: int) -> None:
+        ctx = self.contexts.get(ctx_id)
+        if ctx is not None and peer != self.agent.rank:
+            ctx.known.add(peer)  # it runs the call inside the context: release it there
+
+    @contextlib.contextmanager
+    def enter(self, ctx_id: int) -> Iterator[None]:
+        """Run the body inside ``ctx_id`` (a handler of a request sent in it)."""
+        prev = getattr(_thread, "active", None)
+        self.get_or_create(ctx_id)
+        _thread.active = (self, ctx_id)
+        try:
+            yield
+        finally:
+            _thread.active = prev
+
+    @contextlib.contextmanager
+    def context(self) -> Iterator[int]:
+        if getattr(_thread, "active", None) is not None:
+            raise RuntimeError(
+                f"Already have an autograd context id ({_thread.active[1]}) for this "
+                "thread: distributed autograd contexts cannot be nested. Leave the "
+                "current `with nbrpc.autograd.context()` block first.")
+        ctx = AutogradContext(self.new_id())
+        with self._lock:
+            self.contexts[ctx.id] = ctx
+        _thread.active = (self, ctx.id)
+        try:
+            yield ctx.id
+        finally:
+            _thread.active = None
+            self.release(ctx.id)
+
+    # -- the table ---------------------------------------------------------------------
+    def get(self, ctx_id: int) -> AutogradContext:
+        ctx = self.contexts.get(ctx_id)
+        if ctx is None:
+            released = " (it was released)" if ctx_id in self._released else ""
+            raise RuntimeError(
+                f"Could not find autograd context with id: {ctx_id} on "
+                f"{self.agent.name!r}{released}. Use the id yielded by "
+                "`with nbrpc.autograd.context() as context_id:` inside that block.")
+        return ctx
+
+    def get_or_create(self, ctx_id: int) -> AutogradContext | None:
+        """The context ``ctx_id``; None if it was released here already (a late message)."""
+        ctx = self.contexts.get(ctx_id)
+        if ctx is not None:
+            return ctx
+        with self._lock:
+            if ctx_id in self._released:
+                return None
+            ctx = self.contexts.get(ctx_id)
+            if ctx is None:
+                ctx = self.contexts[ctx_id] = AutogradContext(ctx_id)
+                self.agent.events.add("autograd-context", "", self.agent.name, ctx_id, 0)
+            return ctx
+
+    def drop(self, ctx_id: int) -> AutogradContext | None:
+        """Forget ``ctx_id`` here (and remember that it is gone)."""
+        with self._lock:
+            ctx = self.contexts.pop(ctx_id, None)
+            if ctx_id not in self._released:
+                self._released.add(ctx_id)
+                self._released_order.append(ctx_id)
+                if len(self._released_order) > MAX_TOMBSTONES:
+                    self._released.discard(self._released_order.popleft())
+        return ctx
+
+    # -- recording (called while messages are pickled) ---------------------------------------
+    def on_send(self, t: torch.Tensor, wire: Wire) -> tuple[int, int] | None:
+        ctx = self.get_or_create(wire.tag)
+        if ctx is None:
+            return None
+        stash = wire.stash if wire.stash is not None else {}
+        wire.stash = stash
+        msg_id = stash.get("autograd_msg")
+        if msg_id is None:  # the message's first tensor: a new send function
+            msg_id = stash["autograd_msg"] = self.new_id()
+            with ctx.lock:
+                ctx.sends[msg_id] = SendFn(wire.peer)
+                ctx.known.add(wire.peer)
+            wire.on_unsent(lambda: self._unsend(ctx, msg_id))
+        ctx.sends[msg_id].tensors.append(t)
+        return wire.tag, msg_id
+
+    def _unsend(self, ctx: AutogradContext, msg_id: int) -> None:
+        with ctx.lock:
+            ctx.sends.pop(msg_id, None)
+
+    def on_recv(self, t: torch.Tensor, token: tuple[int, int], wire: Wire) -> None:
+        ctx_id, msg_id = token
+        ctx = self.get_or_create(ctx_id)
+        if ctx is None:
+            return
+        with ctx.lock:
+            recv = ctx.recvs.get(msg_id)
+            if recv is None:
+                recv = ctx.recvs[msg_id] = RecvFn(wire.peer)
+                ctx.known.add(wire.peer)
+            ctx.leaf_names[id(t)] = f"recv#{msg_id & 0xFFFF}[{len(recv.tensors)}]"
+            recv.tensors.append(t)
+
+    # -- release -----------------------------------------------------------------------------
+    def release(self, ctx_id: int, told: frozenset[int] = frozenset()) -> None:
+        """Drop the context here and tell the workers it knows (they tell theirs).
+        If one of them is gone, everyone is told: it may have known others."""
+        ctx = self.drop(ctx_id)
+        if ctx is None:
+            return
+        agent = self.agent
+        members = set(agent._members) - {agent.rank}
+        targets = (ctx.known - told - {agent.rank}) & members
+        if any(r not in members for r in ctx.known - {agent.rank}):
+            targets = members - told
+        told = told | targets | {agent.rank}
+        for rank in sorted(targets):
+            self.tell(rank, Release(ctx_id, told))
+        agent.events.add("autograd-released", "", agent.name, ctx_id, 0)
+        del ctx  # its tensors (and graphs) go here, on this thread
+
+    def tell(self, rank: int, msg: Any) -> None:
+        """A fire-and-forget request (counted by the shutdown drain)."""
+        def done(_value: Any, error: BaseException | None) -> None:
+            if error is not None:
+                log.debug("%s to rank %d failed: %s", type(msg).__name__, rank, error)
+        try:
+            self.agent.request(rank, msg, then=done)
+        except Exception as e:  # the peer went meanwhile
+            log.debug("%s to rank %d not sent: %s", type(msg).__name__, rank, e)
+
+    def handle_release(self, msg: Release, sender: int) -> None:
+        self.release(msg.ctx_id, msg.told)
+
+    def on_member_gone(self, rank: int) -> None:
+        """Contexts made by a worker that died or left can never be released by it."""
+        for ctx_id in [c for c in list(self.contexts) if c >> RANK_SHIFT == rank]:
+            self.agent.pool.submit(self.release, ctx_id, frozenset({rank}))
+
+    # -- observability ------------------------------------------------------------------------
+    def snapshot(self) -> list[dict[str, Any]]:
+        return [ctx.snapshot(self.agent._peer_name) for ctx in list(self.contexts.values())]
+
+
+@dataclass(frozen=True, slots=True)
+class Release:
+    """Forget context ``ctx_id``; ``told``: ranks that were told already."""
+
+    op = "autograd_release"
+    ctx_id: int
+    told: frozenset[int]
+
+
+def contexts_of(agent: Agent) -> Contexts:
+    return agent.ext["autograd"]

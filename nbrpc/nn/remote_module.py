@@ -1,0 +1,135 @@
+"""A module created and run on another worker, called like a local one."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..agent import current_agent
+from ..rpc.api import remote, rpc_sync
+from ..rref import RRef
+
+# Methods of nn.Module that would act on the (empty) local shell, not the
+# remote module: they raise, as in PyTorch's RemoteModule.
+_NOT_SUPPORTED = (
+    "register_buffer", "register_parameter", "add_module", "register_module", "apply",
+    "cuda", "ipu", "xpu", "mtia", "cpu", "type", "float", "double", "half", "bfloat16", "to",
+    "to_empty", "register_backward_hook", "register_full_backward_hook",
+    "register_full_backward_pre_hook", "register_forward_pre_hook", "register_forward_hook",
+    "state_dict", "load_state_dict", "parameters", "named_parameters", "buffers",
+    "named_buffers",
+    "requires_grad_", "zero_grad", "share_memory", "get_parameter",
+    "get_buffer",
+)
+
+
+def _create_module(module_cls: Any, args: tuple, kwargs: dict) -> nn.Module:
+    module = module_cls(*args, **kwargs)
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"module_cls must build an nn.Module; {module_cls!r} built a "
+                        f"{type(module).__name__}")
+    return module
+
+
+def _param_rrefs(module_rref: RRef, recurse: bool) -> list[RRef]:
+    return [RRef(p) for p in module_rref.local_value().parameters(recurse)]
+
+
+def _set_training(module_rref: RRef, mode: bool) -> None:
+    module_rref.local_value().train(mode)
+
+
+def parse_remote_device(remote_device: str) -> tuple[str | int, str]:
+    """``"worker1/cpu"``, ``"rank:1/cpu"`` or ``"worker1"`` → (worker, device)."""
+    if not isinstance(remote_device, str) or not remote_device:
+        raise ValueError(f"remote_device must be a string like 'worker1/cpu' or "
+                         f"'rank:1/cpu', got {remote_device!r}")
+    worker, _, device = remote_device.partition("/")
+    device = device or "cpu"
+    if torch.device(device).type != "cpu":
+        raise ValueError(f"remote_device {remote_device!r}: nbrpc runs remote modules on "
+                         "the CPU; use 'worker/cpu'")
+    if worker.startswith("rank:"):
+        try:
+            return int(worker[5:]), device
+        except ValueError:
+            raise ValueError(f"remote_device {remote_device!r}: 'rank:' must be followed by "
+                             "an integer, as in 'rank:1/cpu'") from None
+    if not worker:
+        raise ValueError(f"remote_device {remote_device!r} names no worker; write "
+                         "'worker1/cpu' or 'rank:1/cpu'")
+    return worker, device
+
+
+class RemoteModule(nn.Module):
+    """``module_cls(*args, **kwargs)`` created on the worker ``remote_device``
+    names (``"worker1/cpu"``, ``"rank:1/cpu"``); calling this object runs it there.
+
+    ``forward(*args)`` blocks, ``forward_async(*args)`` returns a future;
+    ``remote_parameters()`` gives RRefs for :class:`~nbrpc.optim.DistributedOptimizer`;
+    ``get_module_rref()`` the module itself. Inside a distributed autograd
+    context the call is recorded, so gradients flow back through it.
+    ``train()``/``eval()`` switch the remote module's mode.
+
+    >>> import torch
+    >>> from nbrpc.rpc.api import init_rpc, shutdown, _free_port_options
+    >>> init_rpc("w1", rank=0, world_size=1, rpc_backend_options=_free_port_options())
+    >>> torch.manual_seed(0) and None
+    >>> lin = RemoteModule("w1/cpu", torch.nn.Linear, args=(3, 2))
+    >>> lin(torch.ones(1, 3)).shape
+    torch.Size([1, 2])
+    >>> [p.to_here().shape for p in lin.remote_parameters()]
+    [torch.Size([2, 3]), torch.Size([2])]
+    >>> lin.parameters()
+    Traceback (most recent call last):
+    ...
+    ValueError: Method ``parameters`` not supported for RemoteModule: the module lives on 'w1'. Use remote_parameters() for RRefs to its parameters, or get_module_rref().
+    >>> shutdown()
+    """
+
+    def __init__(self, remote_device: str, module_cls: Any, args: tuple | None = None,
+                 kwargs: dict | None = None) -> None:
+        super().__init__()
+        worker, self.device = parse_remote_device(remote_device)
+        agent = current_agent("RemoteModule")
+        self.on = agent.resolve(worker).name
+        self.module_cls_name = getattr(module_cls, "__name__", repr(module_cls))
+        self.module_rref: RRef = remote(self.on, _create_module,
+                                        (module_cls, tuple(args or ()), dict(kwargs or {})))
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.module_rref.rpc_sync().__call__(*args, **kwargs)
+
+    def forward_async(self, *args: Any, **kwargs: Any) -> torch.futures.Future:
+        return self.module_rref.rpc_async().__call__(*args, **kwargs)
+
+    def remote_parameters(self, recurse: bool = True) -> list[RRef]:
+        """RRefs to the remote module's parameters (for DistributedOptimizer)."""
+        return rpc_sync(self.on, _param_rrefs, (self.module_rref, recurse))
+
+    def get_module_rref(self) -> RRef:
+        return self.module_rref
+
+    def train(self, mode: bool = True) -> RemoteModule:
+        rpc_sync(self.on, _set_training, (self.module_rref, mode))
+        self.training = mode
+        return self
+
+    def __repr__(self) -> str:
+        return f"RemoteModule({self.module_cls_name} on {self.on}/{self.device})"
+
+
+def _not_supported(name: str) -> Any:
+    def method(self: RemoteModule, *args: Any, **kwargs: Any) -> Any:
+        raise ValueError(
+            f"Method ``{name}`` not supported for RemoteModule: the module lives on "
+            f"{self.on!r}. Use remote_parameters() for RRefs to its parameters, or "
+            "get_module_rref().")
+    method.__name__ = name
+    return method
+
+
+for _name in _NOT_SUPPORTED:
+    setattr(RemoteModule, _name, _not_supported(_name))

@@ -1,0 +1,167 @@
+"""The backward engine's dependency counting, with no network: the "workers"
+are LocalPass objects and the test carries their outboxes by hand."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from nbrpc.autograd.backward import check_roots
+from nbrpc.autograd.engine import BackwardError, LocalPass
+
+
+class Counted(torch.autograd.Function):
+    """Identity whose backward counts its runs (and the gradients it saw)."""
+
+    calls: list[torch.Tensor] = []
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        Counted.calls.append(g.clone())
+        return g
+
+
+@pytest.fixture(autouse=True)
+def _reset_counter():
+    Counted.calls = []
+
+
+def collector() -> tuple[dict, callable]:
+    got: dict = {}
+
+    def accumulate(t, g):
+        got[t] = g if t not in got else got[t] + g
+    return got, accumulate
+
+
+def test_a_node_fed_by_two_sends_runs_once_with_their_sum() -> None:
+    # worker A: h = Counted(x * 3) is sent twice (two messages) to B
+    x = torch.tensor([1.0, 2.0], requires_grad=True)
+    h = Counted.apply(x * 3)
+    got, acc = collector()
+    a = LocalPass("A", {1: [h], 2: [h]}, {}, acc)
+    a.receive(1, [torch.ones(2)])
+    record, outbox = a.run("send 1")
+    assert record.nodes == [] and record.blocked == 1  # waits for send 2
+    assert Counted.calls == [] and not got
+    a.receive(2, [torch.full((2,), 2.0)])
+    record, outbox = a.run("send 2")
+    assert record.nodes == ["CountedBackward", "MulBackward0", "AccumulateGrad"]
+    assert len(Counted.calls) == 1 and torch.equal(Counted.calls[0], torch.full((2,), 3.0))
+    assert torch.equal(got[x], torch.full((2,), 9.0)) and x.grad is None
+    assert outbox == [] and record.blocked == 0
+
+
+def test_chain_between_two_workers_matches_local_autograd() -> None:
+    torch.manual_seed(0)
+    x = torch.randn(3, 4, requires_grad=True)
+    w = torch.randn(4, 2, requires_grad=True)
+    # A sends x (msg 1) to B; B computes y = tanh(x_b @ w) and answers (msg 2)
+    x_b = x.detach().requires_grad_()
+    y = torch.tanh(x_b @ w)
+    y_a = y.detach().requires_grad_()
+    loss = (y_a * y_a).sum()
+    got_a, acc_a = collector()
+    got_b, acc_b = collector()
+    a = LocalPass("A", {1: [x]}, {2: (1, [y_a])}, acc_a, roots=[loss])
+    b = LocalPass("B", {2: [y]}, {1: (0, [x_b])}, acc_b)
+    a.start()
+    _, out = a.run()
+    assert [(o.peer, o.msg_id) for o in out] == [(1, 2)]
+    b.receive(2, out[0].grads)
+    record, out = b.run()
+    assert record.nodes[:2] == ["TanhBackward0", "MmBackward0"]
+    assert [(o.peer, o.msg_id) for o in out] == [(0, 1)]
+    a.receive(1, out[0].grads)
+    a.run()
+    xl, wl = x.detach().requires_grad_(), w.detach().requires_grad_()
+    (torch.tanh(xl @ wl) ** 2).sum().backward()
+    assert torch.allclose(got_a[x], xl.grad) and torch.allclose(got_b[w], wl.grad)
+    assert x.grad is None and w.grad is None
+
+
+def test_a_send_that_never_gets_gradients_is_flushed() -> None:
+    # x is used locally and also sent (msg 5) to a worker that never answers
+    x = torch.tensor([1.0, 2.0], requires_grad=True)
+    loss = (x * 2).sum()
+    got, acc = collector()
+    a = LocalPass("A", {5: [x]}, {}, acc, roots=[loss])
+    a.start()
+    record, _ = a.run()
+    assert record.blocked == 1 and x not in got
+    record, out = a.flush()
+    assert record.nodes == ["AccumulateGrad"] and out == []
+    assert torch.equal(got[x], torch.full((2,), 2.0)) and a.blocked() == 0
+
+
+def test_multi_output_nodes_get_none_for_unused_outputs() -> None:
+    x = torch.arange(4.0, requires_grad=True)
+    first, _second = x.split(2)
+    got, acc = collector()
+    a = LocalPass("A", {}, {}, acc, roots=[(first * first).sum()])
+    a.start()
+    a.run()
+    assert torch.equal(got[x], torch.tensor([0.0, 2.0, 0.0, 0.0]))
+
+
+def test_python_functions_with_non_tensor_arguments() -> None:
+    class Scale(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, k, x, y):
+            ctx.k = k
+            return x * k + y
+
+        @staticmethod
+        def backward(ctx, g):
+            return None, g * ctx.k, g
+
+    x = torch.ones(2, requires_grad=True)
+    y = torch.ones(2, requires_grad=True)
+    got, acc = collector()
+    a = LocalPass("A", {}, {}, acc, roots=[Scale.apply(5.0, x, y).sum()])
+    a.start()
+    a.run()
+    assert torch.equal(got[x], torch.full((2,), 5.0)) and torch.equal(got[y], torch.ones(2))
+
+
+def test_a_second_pass_without_retain_graph_fails_like_pytorch() -> None:
+    x = torch.ones(2, requires_grad=True)
+    loss = (x.exp() * 2).sum()
+    got, acc = collector()
+    first = LocalPass("A", {}, {}, acc, roots=[loss], retain_graph=True)
+    first.start()
+    first.run()
+    second = LocalPass("A", {}, {}, acc, roots=[loss])
+    second.start()
+    second.run()
+    assert torch.allclose(got[x], 4 * x.detach().exp())
+    third = LocalPass("A", {}, {}, acc, roots=[loss])
+    third.start()
+    with pytest.raises(BackwardError, match="backward through the graph a second time"):
+        third.run()
+
+
+def test_gradients_for_an_unknown_send_are_refused() -> None:
+    x = torch.ones(2, requires_grad=True)
+    a = LocalPass("A", {1: [x * 2]}, {}, lambda t, g: None)
+    with pytest.raises(BackwardError, match="no send function #9"):
+        a.receive(9, [torch.ones(2)])
+    a.receive(1, [torch.ones(2)])
+    with pytest.raises(BackwardError, match="twice"):
+        a.receive(1, [torch.ones(2)])
+
+
+@pytest.mark.parametrize("roots,match", [
+    ([], "at least one root"),
+    ([torch.ones(2, requires_grad=True).sum().detach()], "requires_grad not set"),
+    ([torch.ones(2, requires_grad=True) * 2], "not a scalar"),
+    ([torch.ones((), requires_grad=True)], "valid gradient function"),
+    (["loss"], "must be tensors"),
+])
+def test_roots_are_checked_as_in_pytorch(roots, match: str) -> None:
+    with pytest.raises((RuntimeError, ValueError, TypeError), match=match):
+        check_roots(roots)

@@ -1,0 +1,461 @@
+"""Distributed autograd, DistributedOptimizer and RemoteModule with four agents
+in this process; every gradient and step is compared with the same
+computation done locally in PyTorch, in normal mode and in step mode."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator
+
+import pytest
+import torch
+from conftest import local_group, poll_for
+from torch import nn
+
+from nbrpc import autograd as dist_autograd
+from nbrpc.agent import current_agent
+from nbrpc.agent.agent import _local
+from nbrpc.nn import RemoteModule
+from nbrpc.optim import DistributedOptimizer
+from nbrpc.rpc import RRef, remote, rpc_async, rpc_sync
+
+MODES = ["normal", "step"]
+
+
+@contextlib.contextmanager
+def acting_as(agent) -> Iterator[None]:
+    """This (test) thread calls through ``agent``, as a driver would."""
+    _local.agent = agent
+    try:
+        yield
+    finally:
+        _local.agent = None
+
+
+@pytest.fixture
+def group():
+    with local_group(["a", "b", "c", "d"], heartbeat_interval=0.1,
+                     failure_timeout=1.0) as agents, acting_as(agents[0]):
+        yield agents
+        alive = [ag for ag in agents if ag.state == "ready"]  # (one test stops a worker)
+        assert poll_for(lambda: not any(ag.ext["autograd"].contexts for ag in alive),
+                        timeout=5), [ag.ext["autograd"].snapshot() for ag in alive]
+
+
+# -- functions that run on the workers --------------------------------------------------
+def make_param(seed: int, *shape: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=g).requires_grad_()
+
+
+def tanh_mm(x: torch.Tensor, w: RRef, then: str | None = None, w2: RRef | None = None):
+    y = torch.tanh(x @ w.local_value())
+    return y if then is None else rpc_sync(then, tanh_mm, (y, w2))
+
+
+def grad_here(ctx: int, w: RRef) -> torch.Tensor | None:
+    return dist_autograd.get_gradients(ctx).get(w.local_value())
+
+
+def contexts_here() -> int:
+    return len(current_agent().ext["autograd"].contexts)
+
+
+def backward(mode: str, ctx: int, roots: list, retain_graph: bool = False) -> list:
+    if mode == "normal":
+        dist_autograd.backward(ctx, roots, retain_graph=retain_graph)
+        return []
+    stepper = dist_autograd.backward_stepper(ctx, roots, retain_graph=retain_graph)
+    records = []
+    for _ in range(100):
+        if stepper.done:
+            break
+        assert stepper.pending  # a stage is ready whenever the pass is not done
+        records.append(stepper.step())
+    assert stepper.done
+    return records
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().clone().requires_grad_()
+
+
+# -- correctness against local PyTorch ----------------------------------------------------
+@pytest.mark.parametrize("mode", MODES)
+def test_three_hop_chain(group, mode: str) -> None:
+    wb, wc = remote("b", make_param, (1, 4, 3)), remote("c", make_param, (2, 3, 2))
+    x = make_param(0, 5, 4)
+    with dist_autograd.context() as ctx:
+        out = rpc_sync("b", tanh_mm, (x, wb, "c", wc))  # a -> b -> c -> b -> a
+        records = backward(mode, ctx, [(out * out).sum()])
+        gx = dist_autograd.get_gradients(ctx)[x]
+        gb, gc = rpc_sync("b", grad_here, (ctx, wb)), rpc_sync("c", grad_here, (ctx, wc))
+    xl, bl, cl = local(x), local(wb.to_here()), local(wc.to_here())
+    (torch.tanh(torch.tanh(xl @ bl) @ cl) ** 2).sum().backward()
+    assert torch.allclose(gx, xl.grad) and torch.allclose(gb, bl.grad)
+    assert torch.allclose(gc, cl.grad)
+    assert x.grad is None
+    if mode == "step":  # a, b, c, b, a: each stage one worker's local run
+        assert [r["worker"] for r in records] == ["a", "b", "c", "b", "a"]
+        assert records[2]["nodes"][:2] == ["TanhBackward0", "MmBackward0"]
+        assert records[2]["trigger"].endswith("from b")
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_fan_out_to_three_workers(group, mode: str) -> None:
+    ws = {w: remote(w, make_param, (i, 4, 4)) for i, w in enumerate("bcd")}
+    x = make_param(9, 2, 4)
+    with dist_autograd.context() as ctx:
+        futs = [rpc_async(w, tanh_mm, (x, r)) for w, r in ws.items()]
+        loss = sum((f.wait() * (k + 1)).sum() for k, f in enumerate(futs))
+        records = backward(mode, ctx, [loss])
+        gx = dist_autograd.get_gradients(ctx)[x]
+        grads = {w: rpc_sync(w, grad_here, (ctx, r)) for w, r in ws.items()}
+    xl = local(x)
+    wl = {w: local(r.to_here()) for w, r in ws.items()}
+    sum((torch.tanh(xl @ wl[w]) * (k + 1)).sum() for k, w in enumerate("bcd")).backward()
+    assert torch.allclose(gx, xl.grad)
+    for w in "bcd":
+        assert torch.allclose(grads[w], wl[w].grad)
+    if mode == "step":  # x's accumulator on a ran once, after all three answered
+        final = [r for r in records if r["worker"] == "a" and r["gradients"]]
+        assert len(final) == 1 and sum(r["worker"] == "a" for r in records) == 4
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_the_same_tensor_sent_twice(group, mode: str) -> None:
+    wb = remote("b", make_param, (3, 3, 3))
+    x = make_param(4, 2, 3)
+    h = x * 2  # a non-leaf sent in two messages, and twice in one message
+    with dist_autograd.context() as ctx:
+        y1 = rpc_sync("b", tanh_mm, (h, wb))
+        y2 = rpc_sync("b", torch.mul, (h, h))
+        backward(mode, ctx, [y1.sum() + y2.sum()])
+        gx = dist_autograd.get_gradients(ctx)[x]
+        gb = rpc_sync("b", grad_here, (ctx, wb))
+    xl, bl = local(x), local(wb.to_here())
+    hl = xl * 2
+    (torch.tanh(hl @ bl).sum() + (hl * hl).sum()).backward()
+    assert torch.allclose(gx, xl.grad) and torch.allclose(gb, bl.grad)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_values_fetched_with_to_here_and_rref_proxies(group, mode: str) -> None:
+    wb = remote("b", make_param, (5, 3))
+    wc = remote("c", make_param, (6, 3))
+    with dist_autograd.context() as ctx:
+        y = wb.to_here() * 2  # the owner's reply is recorded
+        z = wc.rpc_sync().mul(3.0)  # so is a proxy call's
+        backward(mode, ctx, [(y * z).sum()])
+        gb, gc = rpc_sync("b", grad_here, (ctx, wb)), rpc_sync("c", grad_here, (ctx, wc))
+    bl, cl = local(wb.to_here()), local(wc.to_here())
+    ((bl * 2) * (cl * 3)).sum().backward()
+    assert torch.allclose(gb, bl.grad) and torch.allclose(gc, cl.grad)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_retain_graph_twice_accumulates_in_the_context(group, mode: str) -> None:
+    wb = remote("b", make_param, (7, 3, 3))
+    x = make_param(8, 1, 3)
+    with dist_autograd.context() as ctx:
+        loss = rpc_sync("b", tanh_mm, (x, wb)).sum()
+        backward(mode, ctx, [loss], retain_graph=True)
+        backward(mode, ctx, [loss], retain_graph=True)
+        gx = dist_autograd.get_gradients(ctx)[x]
+        gb = rpc_sync("b", grad_here, (ctx, wb))
+    xl, bl = local(x), local(wb.to_here())
+    torch.tanh(xl @ bl).sum().backward()
+    assert torch.allclose(gx, 2 * xl.grad) and torch.allclose(gb, 2 * bl.grad)
+
+
+def test_a_second_backward_without_retain_graph_fails(group) -> None:
+    wb = remote("b", make_param, (7, 3, 3))
+    x = make_param(8, 1, 3)
+    with dist_autograd.context() as ctx:
+        loss = rpc_sync("b", tanh_mm, (x, wb)).sum()
+        dist_autograd.backward(ctx, [loss])
+        with pytest.raises(RuntimeError, match="a second time"):
+            dist_autograd.backward(ctx, [loss])
+
+
+def test_step_mode_reports_the_distributed_graph(group) -> None:
+    wb = remote("b", make_param, (1, 4, 3))
+    x = make_param(0, 5, 4)
+    with dist_autograd.context() as ctx:
+        loss = rpc_sync("b", tanh_mm, (x, wb)).sum()
+        stepper = dist_autograd.backward_stepper(ctx, [loss])
+        graph = stepper.graph()
+        assert stepper.pending == [{"worker": "a", "trigger": "roots"}]
+        first = stepper.step()
+        assert first["sent"] and first["sent"][0]["to"] == 1 and stepper.pending[0]["worker"] == "b"
+        stepper.run()
+        assert stepper.done and "2 stage(s) run" not in repr(stepper)
+        with pytest.raises(RuntimeError, match="done"):
+            stepper.step()
+    names = {w: [n["name"] for n in d["nodes"]] for w, d in graph["workers"].items()}
+    assert "MmBackward0" in names["b"] and "SumBackward0" in names["a"]
+    assert {(link["from"], link["to"]) for link in graph["links"]} == {("a", "b"), ("b", "a")}
+    recv_leaf = [n for n in graph["workers"]["b"]["nodes"] if n.get("recv") is not None]
+    assert recv_leaf and recv_leaf[0]["shape"] == [5, 4]
+
+
+def test_agents_report_their_contexts_as_plain_data(group) -> None:
+    a, b = group[:2]
+    wb = remote("b", make_param, (1, 4, 3))
+    x = make_param(0, 5, 4)
+    with dist_autograd.context() as ctx:
+        loss = rpc_sync("b", tanh_mm, (x, wb)).sum()
+        dist_autograd.backward(ctx, [loss])
+        assert poll_for(lambda: any(c["id"] == ctx for c in b.snapshot()["autograd"]))
+        (mine,) = a.snapshot()["autograd"]
+        (theirs,) = b.snapshot()["autograd"]
+    assert mine["id"] == ctx and mine["creator"] == "a" and mine["known_workers"] == ["b"]
+    assert [s["to"] for s in mine["sends"]] == ["b"] and [r["from"] for r in mine["recvs"]] == ["b"]
+    assert theirs["gradients"][0]["shape"] == [4, 3] and theirs["stages"]
+    assert mine["stages"][0]["trigger"] == "roots"
+
+
+def test_unused_sent_tensor_does_not_block_gradients(group) -> None:
+    x = make_param(2, 3)
+    with dist_autograd.context() as ctx:
+        rpc_sync("b", torch.mul, (x, 5.0))  # sent, answer never used in the loss
+        dist_autograd.backward(ctx, [(x * 2).sum()])
+        assert torch.equal(dist_autograd.get_gradients(ctx)[x], torch.full((3,), 2.0))
+
+
+class Explode(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        raise ValueError("boom in backward")
+
+
+def explode(x: torch.Tensor) -> torch.Tensor:
+    return Explode.apply(x) * 2
+
+
+def test_an_error_on_a_worker_fails_backward_with_its_name(group) -> None:
+    x = make_param(2, 3)
+    with dist_autograd.context() as ctx:
+        y = rpc_sync("c", explode, (x,))
+        with pytest.raises(ValueError, match="boom in backward") as info:
+            dist_autograd.backward(ctx, [y.sum()])
+        assert info.value.remote_worker == "c" and "backward" in info.value.remote_traceback
+        assert x not in dist_autograd.get_gradients(ctx)
+
+
+# -- contexts -------------------------------------------------------------------------
+def nested_ctx(x: torch.Tensor) -> int:
+    with dist_autograd.context():
+        return 1
+
+
+def test_context_rules(group) -> None:
+    with dist_autograd.context() as ctx:
+        assert ctx >> 48 == 0  # the creator's rank in the high bits
+        with pytest.raises(RuntimeError, match="cannot be nested"):
+            with dist_autograd.context():
+                pass
+        with pytest.raises(RuntimeError, match="cannot be nested"):  # the callee is inside it
+            rpc_sync("b", nested_ctx, (torch.ones(1),))
+    with pytest.raises(RuntimeError, match="Could not find autograd context"):
+        dist_autograd.get_gradients(ctx)
+
+
+def test_concurrent_contexts_on_two_threads_keep_separate_gradients(group) -> None:
+    a = group[0]
+    wb = remote("b", make_param, (1, 3, 3))
+    results: dict[int, torch.Tensor] = {}
+
+    def train(k: int) -> None:
+        with acting_as(a):
+            x = torch.full((1, 3), float(k), requires_grad=True)
+            with dist_autograd.context() as ctx:
+                for _ in range(5):
+                    loss = rpc_sync("b", tanh_mm, (x, wb)).sum()
+                    dist_autograd.backward(ctx, [loss], retain_graph=False)
+                results[k] = rpc_sync("b", grad_here, (ctx, wb))
+
+    threads = [threading.Thread(target=train, args=(k,)) for k in (1, 2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    bl = wb.to_here()
+    for k in (1, 2):
+        w = local(bl)
+        for _ in range(5):
+            torch.tanh(torch.full((1, 3), float(k)) @ w).sum().backward()
+        assert torch.allclose(results[k], w.grad)
+
+
+def test_leaving_a_context_releases_it_everywhere(group) -> None:
+    wb = remote("b", make_param, (1, 3, 1))
+    with dist_autograd.context():
+        rpc_sync("b", tanh_mm, (make_param(1, 1, 3), wb))
+        rpc_sync("c", contexts_here)  # no tensor, but the call ran inside the context
+        assert rpc_sync("b", contexts_here) == 1 and rpc_sync("c", contexts_here) == 1
+    assert poll_for(lambda: rpc_sync("b", contexts_here) + rpc_sync("c", contexts_here) == 0)
+
+
+def relay(x: torch.Tensor, via: str, to: str) -> torch.Tensor:
+    return rpc_sync(via, torch.mul, (x, 2.0)) if to is None else rpc_sync(via, relay, (x, to, None))
+
+
+def test_contexts_reached_through_a_dead_worker_are_released(group) -> None:
+    a, b, c, d = group
+    with dist_autograd.context():
+        rpc_sync("b", relay, (make_param(1, 2), "c", "d"))  # a -> b -> c -> d
+        assert poll_for(lambda: all(ag.ext["autograd"].contexts for ag in (b, c, d)))
+        b._stop_local()  # b dies: it alone knew c
+        assert poll_for(lambda: b.rank not in a._members, timeout=5)
+    assert poll_for(lambda: not c.ext["autograd"].contexts and not d.ext["autograd"].contexts)
+
+
+# -- DistributedOptimizer and RemoteModule ------------------------------------------------------
+@pytest.mark.parametrize("optim_cls,kwargs", [(torch.optim.SGD, {"lr": 0.1, "momentum": 0.9}),
+                                              (torch.optim.Adam, {"lr": 0.05})])
+@pytest.mark.parametrize("mode", MODES)
+def test_distributed_optimizer_steps_match_local_ones(group, mode: str, optim_cls, kwargs) -> None:
+    wb, wc = remote("b", make_param, (1, 4, 3)), remote("c", make_param, (2, 3, 2))
+    x = make_param(0, 5, 4)
+    xl, bl, cl = local(x), local(wb.to_here()), local(wc.to_here())
+    opt = DistributedOptimizer(optim_cls, [wb, wc, RRef(x)], **kwargs)
+    local_opt = optim_cls([bl, cl, xl], **kwargs)
+    for _ in range(3):
+        with dist_autograd.context() as ctx:
+            out = rpc_sync("b", tanh_mm, (x, wb, "c", wc))
+            backward(mode, ctx, [(out * out).sum()])
+            opt.step(ctx)
+        local_opt.zero_grad()
+        (torch.tanh(torch.tanh(xl @ bl) @ cl) ** 2).sum().backward()
+        local_opt.step()
+    assert torch.allclose(wb.to_here(), bl, atol=1e-6) and torch.allclose(wc.to_here(), cl, atol=1e-6)
+    assert torch.allclose(x, xl, atol=1e-6) and x.grad is None
+    assert "b" in repr(opt) and "c" in repr(opt)
+
+
+def broken_step(*args, **kwargs) -> None:
+    raise OSError("disk on fire")
+
+
+class Broken(torch.optim.SGD):
+    def step(self, closure=None):
+        raise ValueError(f"cannot step on {current_agent().name}")
+
+
+def test_every_failing_owner_is_reported(group) -> None:
+    from nbrpc.errors import CompositeError
+    wb, wc = remote("b", make_param, (1, 3)), remote("c", make_param, (2, 3))
+    opt = DistributedOptimizer(Broken, [wb, wc], lr=0.1)
+    with dist_autograd.context() as ctx:
+        with pytest.raises(CompositeError) as info:
+            opt.step(ctx)
+    assert sorted(info.value.errors) == ["b", "c"]
+    assert "cannot step on b" in str(info.value) and "cannot step on c" in str(info.value)
+    with pytest.raises(TypeError, match="must be RRefs"):
+        DistributedOptimizer(torch.optim.SGD, [torch.ones(1)], lr=0.1)
+
+
+class Embed(nn.Module):
+    def __init__(self, ntoken: int, ninp: int) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.encoder = nn.Embedding(ntoken, ninp)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.encoder(ids)
+
+
+class Decode(nn.Module):
+    def __init__(self, ntoken: int, nhid: int) -> None:
+        super().__init__()
+        torch.manual_seed(1)
+        self.decoder = nn.Linear(nhid, ntoken)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return self.decoder(h)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_rnn_split_between_parameter_server_and_trainer(group, mode: str) -> None:
+    """PyTorch's RPC tutorial model: embedding and decoder on the server (b),
+    the LSTM on the trainer (a)."""
+    ntoken, ninp, nhid = 10, 6, 5
+    emb = RemoteModule("b/cpu", Embed, args=(ntoken, ninp))
+    dec = RemoteModule("rank:1/cpu", Decode, kwargs={"ntoken": ntoken, "nhid": nhid})
+    torch.manual_seed(2)
+    lstm = nn.LSTM(ninp, nhid, num_layers=2)
+    ids = torch.randint(0, ntoken, (4, 3))
+    target = torch.randint(0, ntoken, (4 * 3,))
+    params = emb.remote_parameters() + dec.remote_parameters() + [RRef(p) for p in lstm.parameters()]
+    opt = DistributedOptimizer(torch.optim.SGD, params, lr=0.05)
+    # the same model, locally
+    l_emb, l_dec = Embed(ntoken, ninp), Decode(ntoken, nhid)
+    l_lstm = nn.LSTM(ninp, nhid, num_layers=2)
+    l_lstm.load_state_dict(lstm.state_dict())
+    l_params = list(l_emb.parameters()) + list(l_dec.parameters()) + list(l_lstm.parameters())
+    l_opt = torch.optim.SGD(l_params, lr=0.05)
+    for _ in range(2):
+        with dist_autograd.context() as ctx:
+            out, _ = lstm(emb(ids))
+            loss = nn.functional.cross_entropy(dec(out).reshape(-1, ntoken), target)
+            backward(mode, ctx, [loss])
+            grads = dist_autograd.get_gradients(ctx)
+            lstm_grads = [grads[p] for p in lstm.parameters()]
+            opt.step(ctx)
+        l_opt.zero_grad()
+        l_out, _ = l_lstm(l_emb(ids))
+        nn.functional.cross_entropy(l_dec(l_out).reshape(-1, ntoken), target).backward()
+        for g, p in zip(lstm_grads, l_lstm.parameters()):
+            assert torch.allclose(g, p.grad, atol=1e-6)
+        l_opt.step()
+    remote_now = [p.to_here() for p in emb.remote_parameters() + dec.remote_parameters()]
+    local_now = list(l_emb.parameters()) + list(l_dec.parameters())
+    for r, p in zip(remote_now, local_now):
+        assert torch.allclose(r, p, atol=1e-6)
+    assert all(p.grad is None for p in lstm.parameters())
+
+
+def test_remote_module_api(group) -> None:
+    lin = RemoteModule("c", nn.Linear, args=(3, 2))
+    assert repr(lin) == "RemoteModule(Linear on c/cpu)"
+    assert lin.forward_async(torch.ones(1, 3)).wait().shape == (1, 2)
+    assert lin.get_module_rref().owner_name() == "c"
+    lin.eval()
+    assert not lin.training and rpc_sync("c", is_training, (lin.get_module_rref(),)) is False
+    for name in ("parameters", "state_dict", "to", "cuda", "zero_grad", "buffers"):
+        with pytest.raises(ValueError, match=f"``{name}`` not supported"):
+            getattr(lin, name)()
+    with pytest.raises(ValueError, match="rank:"):
+        RemoteModule("rank:x/cpu", nn.Linear, args=(1, 1))
+    with pytest.raises(ValueError, match="on the CPU"):
+        RemoteModule("c/cuda:0", nn.Linear, args=(1, 1))
+    wrapped = nn.Sequential(lin)  # composes into a local model, with no local parameters
+    assert wrapped(torch.ones(2, 3)).shape == (2, 2) and list(wrapped.parameters()) == []
+
+
+def is_training(rref: RRef) -> bool:
+    return rref.local_value().training
+
+
+@pytest.mark.parametrize("mode", ["local", "distributed"])
+def test_rref_backward(group, mode: str) -> None:
+    wb = remote("b", make_param, (1, 3))
+    loss = wb.remote().sum()
+    if mode == "local":
+        loss.backward()
+        assert torch.equal(rpc_sync("b", grad_of_value, (wb,)), torch.ones(3))
+        return
+    with dist_autograd.context() as ctx:
+        loss.backward(ctx)
+        assert torch.equal(rpc_sync("b", grad_here, (ctx, wb)), torch.ones(3))
+        assert rpc_sync("b", grad_of_value, (wb,)) is None
+
+
+def grad_of_value(rref: RRef) -> torch.Tensor | None:
+    return rref.local_value().grad
