@@ -2,16 +2,19 @@
 
 Normal mode (:func:`run_backward`), for ``backward(ctx, [loss])`` on A::
 
-    A: stage "roots" ──Grads(#7)──▶ B: stage "send #7" ──Grads(#6)──▶ A: stage "send #6"
-                                    B  ◀───────── reply (A's subtree done) ──┘
-    A  ◀── reply (B's subtree done) ─┘   backward returns
+    A: stage "roots" ──Grads(#7, credit 1)──▶ B: stage "send #7" ──Grads(#6, credit 1)──▶ A
+                                                     A: stage "send #6", sends nothing:
+                                                        credit 1 is back, backward returns
 
-Each ``Grads`` request is answered when its stage and every request that
-stage sent have been answered, so the caller's ``backward`` returns when the
-whole pass is over (PyTorch does the same). An error anywhere travels back up
-with its worker and traceback; the caller then tells every worker to abort
-the pass. Replies also name the workers left with blocked nodes (a tensor
-sent but not used in the loss); those are flushed before ``backward`` returns.
+Termination by credit (no reply is waited for on the way): the pass starts
+with credit 1; a stage splits the credit it got among the gradients it
+sends, or returns it to the initiator when it sends none (``Credit``,
+handled on the I/O thread). All of it back means every stage has run. A
+stage that fails returns its credit with the error, which fails the
+caller's ``backward`` with the worker and traceback; the caller then tells
+every worker to abort the pass. A worker left with blocked nodes (a tensor
+sent but not used in the loss) says so; those are flushed before
+``backward`` returns.
 
 Step mode (:class:`BackwardStepper`): the same stages, but a stage returns the
 gradients it would send, and the driver delivers them, one stage per
@@ -23,12 +26,17 @@ from __future__ import annotations
 import itertools
 import logging
 import threading
+import time
 from dataclasses import dataclass
+from fractions import Fraction
 from typing import Any
 
 import torch
 
-from ..agent import Agent, Deferred, RpcFuture
+from ..agent import Agent
+from ..agent.messages import Err
+from ..agent.remote_errors import pack_error, rebuild_error
+from ..errors import RpcTimeoutError
 from .context import AutogradContext, Contexts, contexts_of
 from .engine import LocalPass, Outgoing, edge
 
@@ -48,6 +56,7 @@ class Grads:
     msg_id: int
     grads: list
     retain_graph: bool
+    credit: Fraction = Fraction(0)  # normal mode: this part's share of the pass
     step: bool = False  # step mode: run the stage, return what it would send
     origin: int | None = None  # step mode: the worker whose stage produced them
 
@@ -58,7 +67,20 @@ class Flush:
     ctx_id: int
     pass_id: tuple[int, int]
     retain_graph: bool
+    credit: Fraction = Fraction(0)
     step: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Credit:
+    """To the initiator: a part of the pass is over (``error``: it failed)."""
+
+    op = "autograd_credit"
+    ctx_id: int
+    pass_id: tuple[int, int]
+    credit: Fraction
+    blocked: bool
+    error: Err | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,43 +140,80 @@ def run_stage(agent: Agent, ctx: AutogradContext, lp: LocalPass, trigger: str,
 
 
 # -- normal mode ----------------------------------------------------------------------
-class _Join:
-    """Completes ``future`` once ``n`` requests are answered: with the merged
-    blocked-worker sets, or the first error."""
+class Waiter:
+    """The initiator's view of one pass: credit returned so far (1 in all),
+    workers left with blocked nodes, the first error."""
 
-    def __init__(self, n: int, own: set[int], agent: Agent) -> None:
-        self.future = RpcFuture(agent._io_ident)
-        self.left, self.blocked, self.error = n, set(own), None
+    def __init__(self, known: set[int]) -> None:
+        self.returned, self.blocked = Fraction(0), set()
+        self.error: BaseException | None = None
+        self.known = known  # the context's workers (a death among them fails the pass)
+        self.done = threading.Event()
         self._lock = threading.Lock()
 
-    def done(self, value: Any, error: BaseException | None) -> None:
+    def give_back(self, credit: Fraction, rank: int, blocked: bool,
+                  error: BaseException | None = None) -> None:
         with self._lock:
+            self.returned += credit
+            if blocked:
+                self.blocked.add(rank)
             if error is not None and self.error is None:
                 self.error = error
-            elif error is None and value:
-                self.blocked |= value
-            self.left -= 1
-            last = self.left == 0
-        if last:
-            if self.error is not None:
-                self.future.set_exception(self.error)
-            else:
-                self.future.set_result(self.blocked)
+            if self.returned == 1 or self.error is not None:
+                self.done.set()
+
+    def wait(self, timeout: float) -> None:
+        """Bounded, and interruptible (short slices)."""
+        deadline = time.monotonic() + timeout
+        while not self.done.wait(0.25):
+            if time.monotonic() > deadline:
+                raise RpcTimeoutError("distributed backward pass (waiting for the workers' "
+                                      "stages)", timeout)
+        if self.error is not None:
+            raise self.error
+
+    def restart(self) -> None:
+        with self._lock:
+            self.returned, self.blocked = Fraction(0), set()
+            self.done.clear()
 
 
-def _send_all(agent: Agent, ctx: AutogradContext, pass_id: tuple[int, int],
-              outbox: list[Outgoing], retain_graph: bool, blocked: set[int]) -> Any:
-    """Send the stage's gradients; the answer once all their subtrees are done."""
-    if not outbox:
-        return blocked
-    join = _Join(len(outbox), blocked, agent)
-    for out in outbox:
+def split(credit: Fraction, n: int) -> list[Fraction]:
+    return [credit / n] * n
+
+
+def give_back(agent: Agent, ctx_id: int, pass_id: tuple[int, int], credit: Fraction,
+              blocked: bool, error: BaseException | None = None) -> None:
+    """Return a finished part's credit to the initiator (with an error, if it failed)."""
+    initiator = pass_id[0]
+    if initiator == agent.rank:
+        waiter = contexts_of(agent).waiters.get(pass_id)
+        if waiter is not None:
+            waiter.give_back(credit, agent.rank, blocked, error)
+        return
+    err = None if error is None else pack_error(error, agent.name)
+    try:
+        agent.request(initiator, Credit(ctx_id, pass_id, credit, blocked, err), inline=True)
+    except Exception as e:  # the initiator is gone: nobody waits
+        log.debug("credit for pass %s not returned: %s", pass_id, e)
+
+
+def forward(agent: Agent, ctx: AutogradContext, pass_id: tuple[int, int],
+            outbox: list[Outgoing], retain_graph: bool, credit: Fraction, blocked: bool) -> None:
+    """Send a stage's gradients, each with a share of its credit (or return it)."""
+    if not outbox or blocked:  # the initiator must hear of blocked nodes
+        give_back(agent, ctx.id, pass_id, credit if not outbox else Fraction(0), blocked)
+        if not outbox:
+            return
+    for out, share in zip(outbox, split(credit, len(outbox))):
+        def failed(_value: Any, error: BaseException | None, share: Fraction = share) -> None:
+            if error is not None:  # never ran there (or did not answer): the pass fails
+                give_back(agent, ctx.id, pass_id, share, False, error)
+        msg = Grads(ctx.id, pass_id, out.msg_id, out.grads, retain_graph, credit=share)
         try:
-            agent.request(out.peer, Grads(ctx.id, pass_id, out.msg_id, out.grads, retain_graph),
-                          then=join.done)
+            agent.request(out.peer, msg, then=failed)
         except BaseException as e:
-            join.done(None, e)
-    return Deferred(join.future)
+            failed(None, e)
 
 
 def handle_grads(msg: Grads, sender: int) -> Any:
@@ -163,11 +222,19 @@ def handle_grads(msg: Grads, sender: int) -> Any:
     lp = ctx.new_pass(agent.name, msg.pass_id, msg.retain_graph)
     origin = sender if msg.origin is None else msg.origin
     trigger = f"grads for send #{msg.msg_id & 0xFFFF} from {agent._peer_name(origin)}"
-    data, outbox = run_stage(agent, ctx, lp, trigger, lambda p: p.receive(msg.msg_id, msg.grads))
     if msg.step:
+        data, outbox = run_stage(agent, ctx, lp, trigger,
+                                 lambda p: p.receive(msg.msg_id, msg.grads))
         return data, [(o.peer, o.msg_id, o.grads) for o in outbox]
-    return _send_all(agent, ctx, msg.pass_id, outbox, msg.retain_graph,
-                     {agent.rank} if data["blocked"] else set())
+    try:
+        data, outbox = run_stage(agent, ctx, lp, trigger,
+                                 lambda p: p.receive(msg.msg_id, msg.grads))
+    except BaseException as e:  # the initiator fails the pass with this error
+        give_back(agent, ctx.id, msg.pass_id, msg.credit, False, e)
+        return None
+    forward(agent, ctx, msg.pass_id, outbox, msg.retain_graph, msg.credit,
+            bool(data["blocked"]))
+    return None
 
 
 def handle_flush(msg: Flush, sender: int) -> Any:
@@ -175,12 +242,28 @@ def handle_flush(msg: Flush, sender: int) -> Any:
     ctx = contexts_of(agent).get(msg.ctx_id)
     lp = ctx.passes.get(msg.pass_id)
     if lp is None or not lp.blocked():
-        return None if msg.step else set()
-    data, outbox = run_stage(agent, ctx, lp, "flush", lambda p: None)
+        if not msg.step:
+            give_back(agent, ctx.id, msg.pass_id, msg.credit, False)
+        return None
     if msg.step:
+        data, outbox = run_stage(agent, ctx, lp, "flush", lambda p: None)
         return data, [(o.peer, o.msg_id, o.grads) for o in outbox]
-    return _send_all(agent, ctx, msg.pass_id, outbox, msg.retain_graph,
-                     {agent.rank} if data["blocked"] else set())
+    try:
+        data, outbox = run_stage(agent, ctx, lp, "flush", lambda p: None)
+    except BaseException as e:
+        give_back(agent, ctx.id, msg.pass_id, msg.credit, False, e)
+        return None
+    forward(agent, ctx, msg.pass_id, outbox, msg.retain_graph, msg.credit,
+            bool(data["blocked"]))
+    return None
+
+
+def handle_credit(msg: Credit, sender: int) -> None:
+    """Inline on the initiator's I/O thread: never blocks."""
+    waiter = contexts_of(_agent()).waiters.get(msg.pass_id)
+    if waiter is not None:
+        waiter.give_back(msg.credit, sender, msg.blocked,
+                         None if msg.error is None else rebuild_error(msg.error))
 
 
 def handle_abort(msg: Abort, sender: int) -> None:
@@ -199,52 +282,55 @@ def handle_abort(msg: Abort, sender: int) -> None:
 
 
 def run_backward(agent: Agent, ctx_id: int, roots: Any, retain_graph: bool = False) -> None:
-    """The distributed backward pass from this worker's ``roots`` (normal mode)."""
+    """The distributed backward pass from this worker's ``roots`` (normal mode).
+
+    Termination by credit: the pass starts with credit 1; every stage hands
+    its credit on, split among the gradients it sends, or returns it to this
+    worker when it sends none. All of it back means every stage has run."""
     roots = check_roots(roots)
     contexts = contexts_of(agent)
     ctx = contexts.get(ctx_id)
     pass_id = (agent.rank, next(_pass_ids))
     lp = ctx.new_pass(agent.name, pass_id, retain_graph, roots=roots)
-    _, outbox = run_stage(agent, ctx, lp, "roots", lambda p: p.start())
-    blocked = {agent.rank} if lp.blocked() else set()
+    waiter = contexts.waiters[pass_id] = Waiter(ctx.known)
+    timeout = agent.options.rpc_timeout or 60.0
     try:
-        answer = _send_all(agent, ctx, pass_id, outbox, retain_graph, blocked)
-        blocked = _wait(answer)
+        data, outbox = run_stage(agent, ctx, lp, "roots", lambda p: p.start())
+        forward(agent, ctx, pass_id, outbox, retain_graph, Fraction(1), bool(data["blocked"]))
+        waiter.wait(timeout)
         for _ in range(MAX_FLUSH_ROUNDS):  # bounded: each round runs blocked nodes
-            if not blocked:
+            if not waiter.blocked:
                 break
-            flushed: set[int] = set()
-            for rank in sorted(blocked):
+            blocked = sorted(waiter.blocked)
+            waiter.restart()
+            for rank, share in zip(blocked, split(Fraction(1), len(blocked))):
                 if rank == agent.rank:
-                    _, out = run_stage(agent, ctx, lp, "flush", lambda p: None)
-                    flushed |= _wait(_send_all(agent, ctx, pass_id, out, retain_graph,
-                                               {rank} if lp.blocked() else set()))
+                    data, out = run_stage(agent, ctx, lp, "flush", lambda p: None)
+                    forward(agent, ctx, pass_id, out, retain_graph, share,
+                            bool(data["blocked"]))
                 else:
-                    flushed |= agent.request(rank, Flush(ctx_id, pass_id, retain_graph)).wait()
-            blocked = flushed
+                    agent.request(rank, Flush(ctx_id, pass_id, retain_graph, credit=share))
+            waiter.wait(timeout)
         else:
             log.warning("distributed backward of context %d: nodes still blocked on %s after "
-                        "%d flush rounds", ctx_id, sorted(blocked), MAX_FLUSH_ROUNDS)
+                        "%d flush rounds", ctx_id, sorted(waiter.blocked), MAX_FLUSH_ROUNDS)
     except BaseException as e:
         lp.failed = lp.failed or f"{type(e).__name__}: {e}"
         abort_everywhere(agent, ctx, pass_id, lp.failed)
         if hasattr(e, "add_note"):
             e.add_note(f"(in the distributed backward pass of autograd context {ctx_id})")
         raise
+    finally:
+        contexts.waiters.pop(pass_id, None)
 
 
 def abort_everywhere(agent: Agent, ctx: AutogradContext, pass_id: tuple[int, int],
-                       reason: str) -> None:
+                     reason: str) -> None:
     """The pass failed: every worker that took part stops its part."""
     told = frozenset(ctx.known | {agent.rank})
     for rank in sorted(ctx.known - {agent.rank}):
         if rank in agent._members:
             contexts_of(agent).tell(rank, Abort(ctx.id, pass_id, reason, told))
-
-
-def _wait(answer: Any) -> set[int]:
-    """Bounded: every request in the tree has the RPC timeout; interruptible."""
-    return answer.future.wait() if type(answer) is Deferred else answer
 
 
 def _agent() -> Agent:
@@ -303,5 +389,6 @@ def install(contexts: Contexts) -> None:
     handlers = contexts.agent.handlers
     handlers[Grads.op] = handle_grads
     handlers[Flush.op] = handle_flush
+    handlers[Credit.op] = handle_credit
     handlers[Abort.op] = handle_abort
     handlers[GraphQuery.op] = handle_graph

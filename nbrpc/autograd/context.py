@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from ..agent import Agent, Propagator, Wire
+from ..errors import WorkerGoneError
 from .engine import LocalPass, StageRecord, norm
 
 log = logging.getLogger(__name__)
@@ -125,7 +126,7 @@ class Contexts(Propagator):
         self._lock = threading.Lock()
         start = random.getrandbits(40)  # a restarted rank does not reuse ids
         self._ids = itertools.count(start)
-        self._passes = itertools.count(1)
+        self.waiters: dict[tuple[int, int], Any] = {}  # passes started here, running
 
     def new_id(self) -> int:
         return (self.agent.rank << RANK_SHIFT) | (next(self._ids) & ((1 << RANK_SHIFT) - 1))
@@ -270,7 +271,12 @@ class Contexts(Propagator):
         self.release(msg.ctx_id, msg.told)
 
     def on_member_gone(self, rank: int) -> None:
-        """Contexts made by a worker that died or left can never be released by it."""
+        """Contexts made by a worker that died or left can never be released by it;
+        a backward pass it took part in cannot finish."""
+        why = self.agent.gone_why(rank) or "left the group"
+        for waiter in list(self.waiters.values()):
+            if rank in waiter.known:
+                waiter.give_back(0, rank, False, WorkerGoneError(self.agent._peer_name(rank), why))
         for ctx_id in [c for c in list(self.contexts) if c >> RANK_SHIFT == rank]:
             self.agent.pool.submit(self.release, ctx_id, frozenset({rank}))
 
