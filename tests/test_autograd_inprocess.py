@@ -361,11 +361,19 @@ def test_every_failing_owner_is_reported(group) -> None:
         DistributedOptimizer(torch.optim.SGD, [torch.ones(1)], lr=0.1)
 
 
+def seeded(module: nn.Module, seed: int) -> None:
+    """Weights from a private generator (workers share this process's global one)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+
+
 class Embed(nn.Module):
     def __init__(self, ntoken: int, ninp: int) -> None:
         super().__init__()
-        torch.manual_seed(0)
         self.encoder = nn.Embedding(ntoken, ninp)
+        seeded(self, 0)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return self.encoder(ids)
@@ -374,8 +382,8 @@ class Embed(nn.Module):
 class Decode(nn.Module):
     def __init__(self, ntoken: int, nhid: int) -> None:
         super().__init__()
-        torch.manual_seed(1)
         self.decoder = nn.Linear(nhid, ntoken)
+        seeded(self, 1)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         return self.decoder(h)
@@ -388,10 +396,11 @@ def test_rnn_split_between_parameter_server_and_trainer(group, mode: str) -> Non
     ntoken, ninp, nhid = 10, 6, 5
     emb = RemoteModule("b/cpu", Embed, args=(ntoken, ninp))
     dec = RemoteModule("rank:1/cpu", Decode, kwargs={"ntoken": ntoken, "nhid": nhid})
-    torch.manual_seed(2)
     lstm = nn.LSTM(ninp, nhid, num_layers=2)
-    ids = torch.randint(0, ntoken, (4, 3))
-    target = torch.randint(0, ntoken, (4 * 3,))
+    seeded(lstm, 2)
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, ntoken, (4, 3), generator=g)
+    target = torch.randint(0, ntoken, (4 * 3,), generator=g)
     params = emb.remote_parameters() + dec.remote_parameters() + [RRef(p) for p in lstm.parameters()]
     opt = DistributedOptimizer(torch.optim.SGD, params, lr=0.05)
     # the same model, locally
@@ -459,3 +468,17 @@ def test_rref_backward(group, mode: str) -> None:
 
 def grad_of_value(rref: RRef) -> torch.Tensor | None:
     return rref.local_value().grad
+
+
+def test_step_mode_gradients_are_identical_to_normal_mode(group) -> None:
+    wb, wc = remote("b", make_param, (1, 4, 3)), remote("c", make_param, (2, 3, 2))
+    x = make_param(0, 5, 4)
+    seen = {}
+    for mode in MODES:
+        with dist_autograd.context() as ctx:
+            h = x * 2
+            out = rpc_sync("b", tanh_mm, (h, wb, "c", wc)) + rpc_sync("c", torch.mul, (h, h)).sum()
+            backward(mode, ctx, [(out * out).sum()])
+            seen[mode] = (dist_autograd.get_gradients(ctx)[x],
+                          rpc_sync("b", grad_here, (ctx, wb)), rpc_sync("c", grad_here, (ctx, wc)))
+    assert all(torch.equal(n, s) for n, s in zip(seen["normal"], seen["step"]))
