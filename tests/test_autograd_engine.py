@@ -156,7 +156,7 @@ def test_gradients_for_an_unknown_send_are_refused() -> None:
 
 
 @pytest.mark.parametrize("roots,match", [
-    ([], "at least one root"),
+    ([], "No tensors provided"),
     ([torch.ones(2, requires_grad=True).sum().detach()], "requires_grad not set"),
     ([torch.ones(2, requires_grad=True) * 2], "not a scalar"),
     ([torch.ones((), requires_grad=True)], "valid gradient function"),

@@ -99,12 +99,15 @@ class GraphQuery:
 
 
 # -- checks -------------------------------------------------------------------------
-def check_roots(roots: Any) -> list[torch.Tensor]:
+def check_roots(roots: Any, received: Any = None) -> list[torch.Tensor]:
+    """The roots as PyTorch checks them; ``received(t)``: ``t`` arrived in this
+    context (a leaf here, where PyTorch has a RecvRpcBackward; also a valid root)."""
     if isinstance(roots, torch.Tensor):
         roots = [roots]
     roots = list(roots)
     if not roots:
-        raise ValueError("backward needs at least one root tensor, e.g. [loss]")
+        raise RuntimeError("No tensors provided for gradient computation: pass the "
+                           "roots, e.g. backward(context_id, [loss])")
     for r in roots:
         if not isinstance(r, torch.Tensor):
             raise TypeError(f"roots must be tensors, got {type(r).__name__}")
@@ -114,7 +117,7 @@ def check_roots(roots: Any) -> list[torch.Tensor]:
         if r.numel() != 1:
             raise RuntimeError(f"a root of shape {list(r.shape)} is not a scalar; all roots "
                                "need to be scalars (call .sum() or .mean() on it)")
-        if r.grad_fn is None:
+        if r.grad_fn is None and not (received is not None and received(r)):
             raise RuntimeError("a root does not have a valid gradient function (it is a "
                                "leaf); compute the loss from it first")
     return roots
@@ -287,9 +290,9 @@ def run_backward(agent: Agent, ctx_id: int, roots: Any, retain_graph: bool = Fal
     Termination by credit: the pass starts with credit 1; every stage hands
     its credit on, split among the gradients it sends, or returns it to this
     worker when it sends none. All of it back means every stage has run."""
-    roots = check_roots(roots)
     contexts = contexts_of(agent)
     ctx = contexts.get(ctx_id)
+    roots = check_roots(roots, ctx.received)
     pass_id = (agent.rank, next(_pass_ids))
     lp = ctx.new_pass(agent.name, pass_id, retain_graph, roots=roots)
     waiter = contexts.waiters[pass_id] = Waiter(ctx.known)

@@ -87,6 +87,11 @@ class AutogradContext:
                 roots=roots, retain_graph=retain_graph, names=self.leaf_name)
         return lp
 
+    def received(self, t: torch.Tensor) -> bool:
+        """``t`` arrived here in a message of this context (a recv function's leaf)."""
+        with self.lock:
+            return any(x is t for r in self.recvs.values() for x in r.tensors)
+
     def leaf_name(self, t: torch.Tensor) -> str:
         return self.leaf_names.get(id(t)) or f"leaf{list(t.shape)}"
 
@@ -257,11 +262,21 @@ class Contexts(Propagator):
         agent.events.add("autograd-released", "", agent.name, ctx_id, 0)
         del ctx  # its tensors (and graphs) go here, on this thread
 
+    def _spread_release(self, msg: Release) -> None:
+        """A Release found its worker dead: it may have known others, so tell all."""
+        agent = self.agent
+        everyone = set(agent._members) - {agent.rank}
+        told = frozenset(msg.told | everyone)
+        for rank in sorted(everyone - msg.told):
+            self.tell(rank, Release(msg.ctx_id, told))
+
     def tell(self, rank: int, msg: Any) -> None:
         """A fire-and-forget request (counted by the shutdown drain)."""
         def done(_value: Any, error: BaseException | None) -> None:
             if error is not None:
                 log.debug("%s to rank %d failed: %s", type(msg).__name__, rank, error)
+                if type(msg) is Release and isinstance(error, WorkerGoneError):
+                    self._spread_release(msg)
         try:
             self.agent.request(rank, msg, then=done)
         except Exception as e:  # the peer went meanwhile

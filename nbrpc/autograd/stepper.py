@@ -63,8 +63,8 @@ class BackwardStepper:
     def __init__(self, agent: Agent, ctx_id: int, roots: Any,
                  retain_graph: bool = False) -> None:
         self._agent = agent
-        self.roots = check_roots(roots)
         self._ctx = contexts_of(agent).get(ctx_id)
+        self.roots = check_roots(roots, self._ctx.received)
         self.context_id, self.retain_graph = ctx_id, retain_graph
         self.pass_id = (agent.rank, next(_pass_ids))
         self._lp = self._ctx.new_pass(agent.name, self.pass_id, retain_graph, roots=self.roots)
