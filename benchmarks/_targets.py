@@ -85,3 +85,18 @@ def value_counts(gen: int) -> tuple[int, int]:
 def use(rref: Any) -> int:
     """Runs on the worker an RRef was forked to: fetch the value, return its index."""
     return rref.to_here().i
+
+
+# -- distributed autograd ------------------------------------------------------------
+def new_weight(n: int, seed: int) -> Any:
+    """An ``n``×``n`` leaf tensor that requires grad, built on (and owned by) the
+    worker that runs this: the target of ``remote()``, so the caller holds an RRef."""
+    import torch  # here: nothing else in this module needs torch
+
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(n, n, generator=gen).requires_grad_()
+
+
+def matmul_rref(x: Any, w_rref: Any) -> Any:
+    """Runs on the owner of ``w_rref``: ``x @ W`` (recorded by distributed autograd)."""
+    return x @ w_rref.local_value()

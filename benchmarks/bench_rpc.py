@@ -2,7 +2,8 @@
 
 Run it with ``make bench`` (or ``.venv/bin/python benchmarks/bench_rpc.py``);
 ``--quick`` runs a few iterations only (a smoke test), ``--markdown`` prints
-the table as Markdown for the README.
+the table as Markdown for the README, ``--cases autograd`` (or any comma list of
+``rpc``, ``fork``, ``autograd``) runs only those cases.
 
 For each library the script starts two processes with
 ``torch.multiprocessing.spawn``; each calls
@@ -45,6 +46,19 @@ What is measured (rank 0 calling rank 1 over loopback):
    (ms), and how much of it was waiting for the frees after the last cycle.
    Values not freed within ``fork_deadline_s`` of the last cycle are a
    failure (no number).
+8. Distributed autograd (``nbrpc.autograd`` vs ``torch.distributed.autograd``):
+   ``W`` (256×256, requires grad) is built on rank 1 by ``remote()``; rank 0
+   holds ``x`` (256×256, requires grad) and the RRef. One iteration is
+   ``with context() as ctx: y = rpc_sync(PEER, matmul_rref, args=(x, w_rref));
+   backward(ctx, [y.sum()])`` (the owner computes ``x @ W``), context exit
+   included: median (ms). The same plus ``DistributedOptimizer(SGD, [w_rref],
+   lr=0.01).step(ctx)`` inside the context (the library's own optimizer).
+   Reference: the same computation in one process (``(x @ W).sum().backward()``,
+   plus ``SGD.step()``), measured in this (the parent) process before each
+   repetition's runs, with no RPC agent alive anywhere (TensorPipe's busy-polling
+   threads in a torch worker slow local compute on a 2-core machine down by up to
+   10x); both columns show that one value. The gradients and the step are
+   checked once after timing.
 
 The targets from the issue are printed next to the metrics they apply to.
 Every loop is bounded, and each library's run is killed after ``--timeout``
@@ -79,6 +93,9 @@ import torch.multiprocessing as mp
 
 LIBRARIES = ("nbrpc", "torch")
 MODULES = {"nbrpc": "nbrpc.rpc", "torch": "torch.distributed.rpc"}
+AUTOGRAD_MODULES = {"nbrpc": ("nbrpc.autograd", "nbrpc.optim"),
+                    "torch": ("torch.distributed.autograd", "torch.distributed.optim")}
+CASES = ("rpc", "fork", "autograd")  # --cases: the two-worker RPC set, the cycles, autograd
 PEER = "worker1"
 OWNERS = ("worker1", "worker2")  # of the create/fork/delete cycles
 ECHO_SIZES = {"4 KB": 4 << 10, "1 MB": 1 << 20, "64 MB": 64 << 20}
@@ -102,12 +119,18 @@ class Config:
     fork_poll_s: float = 0.001
     idle_calls: int = 20
     import_runs: int = 3
-    serve_timeout_s: float = 80.0  # rank 1 serves at most this long
+    autograd: tuple[int, int] = (50, 500)  # per case: fwd+bwd, and with the optimizer
+    autograd_local: tuple[int, int] = (50, 500)  # the one-process reference
+    autograd_n: int = 256  # x and W are n×n
+    autograd_lr: float = 0.01
+    serve_timeout_s: float = 100.0  # rank 1 serves at most this long
+    cases: tuple[str, ...] = CASES
 
 
 QUICK = Config(sync=(20, 200), async_calls=500, async_rounds=1,
                echo={"4 KB": (5, 50), "1 MB": (2, 10), "64 MB": (1, 3)},
-               remote=(10, 50), fork_rounds=(1, 1), import_runs=1)
+               remote=(10, 50), fork_rounds=(1, 1), import_runs=1,
+               autograd=(10, 40), autograd_local=(10, 40))
 
 
 # -- helpers (both sides) ----------------------------------------------------------
@@ -291,6 +314,76 @@ def bench_fork(rpc: Any, cfg: Config, rec: dict[str, Any]) -> dict[str, float]:
             "fork_wait_ms": statistics.median(r[1] for r in rounds)}
 
 
+# -- distributed autograd (8.) ------------------------------------------------------------
+def _check_close(what: str, got: Any, want: torch.Tensor) -> None:
+    if not (isinstance(got, torch.Tensor) and got.shape == want.shape
+            and torch.allclose(got, want, rtol=1e-4, atol=1e-3)):
+        detail = (f"max |difference| {float((got - want).abs().max()):.3g}"
+                  if isinstance(got, torch.Tensor) and got.shape == want.shape else repr(got))
+        raise AssertionError(f"{what} is wrong: {detail}")
+
+
+def bench_autograd(rpc: Any, lib: str, cfg: Config, failures: list[str],
+                   optimizer: bool) -> dict[str, float]:
+    """``cfg.autograd`` iterations of: a distributed autograd context, ``y =
+    rpc_sync(PEER, matmul_rref, args=(x, w_rref))`` (W lives on PEER),
+    ``backward(ctx, [y.sum()])``, and with ``optimizer`` a DistributedOptimizer
+    step. Checked once after timing: ``y``, ``x``'s gradient, and the step."""
+    dist_autograd, dist_optim = (importlib.import_module(m) for m in AUTOGRAD_MODULES[lib])
+    n, lr = cfg.autograd_n, cfg.autograd_lr
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(n, n, generator=gen).requires_grad_()
+    w_rref = rpc.remote(PEER, _targets.new_weight, args=(n, 1 + optimizer))
+    w_rref.to_here()  # built before the clock starts
+    opt = (dist_optim.DistributedOptimizer(torch.optim.SGD, [w_rref], lr=lr)
+           if optimizer else None)
+
+    def iteration(check: bool = False) -> tuple[torch.Tensor, dict]:
+        with dist_autograd.context() as ctx:  # its exit (the release) is timed too
+            y = rpc.rpc_sync(PEER, _targets.matmul_rref, args=(x, w_rref))
+            dist_autograd.backward(ctx, [y.sum()])
+            if opt is not None:
+                opt.step(ctx)
+            return y, (dist_autograd.get_gradients(ctx) if check else {})
+
+    samples = time_calls(iteration, *cfg.autograd, failures)
+    key = "autograd_step_ms" if optimizer else "autograd_ms"
+    out = {key: statistics.median(samples) * 1e3}
+    w0 = w_rref.to_here().detach()
+    y, grads = iteration(check=True)
+    with torch.no_grad():
+        _check_close("y = x @ W", y, x @ w0)
+        if opt is None:
+            _check_close("x's gradient in the context", grads.get(x), torch.ones(n, n) @ w0.T)
+        else:  # SGD: W -= lr * dW, dW = x.T @ ones
+            _check_close("W after DistributedOptimizer.step", w_rref.to_here().detach(),
+                         w0 - lr * (x.T @ torch.ones(n, n)))
+    return out
+
+
+def bench_autograd_local(cfg: Config, failures: list[str]) -> dict[str, float]:
+    """The reference: the same two computations in this process, no RPC."""
+    n, lr = cfg.autograd_n, cfg.autograd_lr
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(n, n, generator=gen).requires_grad_()
+    w = _targets.new_weight(n, 1)
+    opt = torch.optim.SGD([w], lr=lr)
+
+    def fwd_bwd() -> None:
+        (x @ w).sum().backward()
+        x.grad = w.grad = None
+
+    def with_step() -> None:
+        (x @ w).sum().backward()
+        opt.step()
+        x.grad = w.grad = None
+
+    plain = time_calls(fwd_bwd, *cfg.autograd_local, failures)
+    stepped = time_calls(with_step, *cfg.autograd_local, failures)
+    return {"autograd_local_ms": statistics.median(plain) * 1e3,
+            "autograd_step_local_ms": statistics.median(stepped) * 1e3}
+
+
 Step = Callable[[list[str]], dict[str, float]]
 
 
@@ -310,17 +403,27 @@ def run_steps(steps: list[tuple[str, int, Step]], rec: dict[str, Any],
         save()
 
 
-def measure(rpc: Any, cfg: Config, rec: dict[str, Any], save: Callable[[], None]) -> None:
-    """The two-worker benchmarks (rank 0 calling rank 1)."""
-    steps: list[tuple[str, int, Step]] = [
-        ("rpc_sync", sum(cfg.sync), lambda f: bench_sync(rpc, cfg, f)),
-        ("rpc_async", 0, lambda f: bench_async(rpc, cfg, f)),
-    ]
-    for label, reps in cfg.echo.items():
-        steps.append((f"echo {label}", sum(reps),
-                      lambda f, label=label, reps=reps: bench_echo(rpc, label, reps, f)))
-    steps.append(("remote", sum(cfg.remote), lambda f: bench_remote(rpc, cfg, f)))
-    steps.append(("remote frees", 0, lambda f: check_remote_frees(rpc, cfg, f)))
+def measure(rpc: Any, lib: str, cfg: Config, rec: dict[str, Any],
+            save: Callable[[], None]) -> None:
+    """The two-worker benchmarks (rank 0 calling rank 1) of the selected cases."""
+    steps: list[tuple[str, int, Step]] = []
+    if "rpc" in cfg.cases:
+        steps += [
+            ("rpc_sync", sum(cfg.sync), lambda f: bench_sync(rpc, cfg, f)),
+            ("rpc_async", 0, lambda f: bench_async(rpc, cfg, f)),
+        ]
+        for label, reps in cfg.echo.items():
+            steps.append((f"echo {label}", sum(reps),
+                          lambda f, label=label, reps=reps: bench_echo(rpc, label, reps, f)))
+        steps.append(("remote", sum(cfg.remote), lambda f: bench_remote(rpc, cfg, f)))
+        steps.append(("remote frees", 0, lambda f: check_remote_frees(rpc, cfg, f)))
+    if "autograd" in cfg.cases:
+        steps += [
+            ("dist autograd fwd+bwd", sum(cfg.autograd) + 1,
+             lambda f: bench_autograd(rpc, lib, cfg, f, optimizer=False)),
+            ("dist autograd fwd+bwd+DistributedOptimizer.step", sum(cfg.autograd) + 1,
+             lambda f: bench_autograd(rpc, lib, cfg, f, optimizer=True)),
+        ]
     run_steps(steps, rec, save)
 
 
@@ -366,7 +469,10 @@ def _worker(rank: int, lib: str, port: int, outdir: str, cfg: Config,
     save()
     try:
         if rank == 0:
-            (_lead if world_size == 2 else _lead_fork)(rpc, cfg, rec, save)
+            if world_size == 2:
+                _lead(rpc, lib, cfg, rec, save)
+            else:
+                _lead_fork(rpc, cfg, rec, save)
         else:
             rec["released"] = _targets.wait_released(cfg.serve_timeout_s)
     finally:
@@ -377,7 +483,8 @@ def _worker(rank: int, lib: str, port: int, outdir: str, cfg: Config,
         save()
 
 
-def _lead(rpc: Any, cfg: Config, rec: dict[str, Any], save: Callable[[], None]) -> None:
+def _lead(rpc: Any, lib: str, cfg: Config, rec: dict[str, Any],
+          save: Callable[[], None]) -> None:
     """Rank 0: a few calls, the memory reading, the benchmarks, then release rank 1."""
     try:
         for _ in range(cfg.idle_calls):
@@ -385,7 +492,7 @@ def _lead(rpc: Any, cfg: Config, rec: dict[str, Any], save: Callable[[], None]) 
         rec["rss_idle_mb"] = _targets.rss_mb()
         rec["peer_rss_idle_mb"] = rpc.rpc_sync(PEER, _targets.rss_mb)
         save()
-        measure(rpc, cfg, rec, save)
+        measure(rpc, lib, cfg, rec, save)
     except Exception:
         rec["fatal"] = traceback.format_exc()
     finally:
@@ -496,7 +603,9 @@ def _over_torch(res: dict[str, Any], rank: int) -> float | None:
     return None if idle is None or base is None else idle - base
 
 
-def build_rows(nb: dict[str, Any], tc: dict[str, Any], cfg: Config) -> list[Row]:
+def build_rows(nb: dict[str, Any], tc: dict[str, Any], cfg: Config,
+               local: dict[str, float] | None = None) -> list[Row]:
+    """The table's rows; ``local``: the one-process reference (:func:`bench_autograd_local`)."""
     def pair(get: Callable[[dict[str, Any]], float | None]) -> tuple[float | None, float | None]:
         return get(nb), get(tc)
 
@@ -506,30 +615,55 @@ def build_rows(nb: dict[str, Any], tc: dict[str, Any], cfg: Config) -> list[Row]
     def ranks(key: str) -> tuple[float | None, float | None]:
         return pair(lambda r: _median_ranks(r, key, 1e3))
 
-    rows = [
-        Row("rpc_sync no-op, median (µs)", *metric("sync_median_us"),
-            target="ratio ≤ 0.6", test=lambda x: x <= 0.6),
-        Row("rpc_sync no-op, p99 (µs)", *metric("sync_p99_us")),
-        Row("rpc_async no-op, ≤64 in flight (calls/s)", *metric("async_calls_per_s"),
-            fmt="{:.0f}", target="ratio ≥ 3", test=lambda x: x >= 3.0),
-    ]
-    for label in ECHO_SIZES:
-        rows.append(Row(f"echo {label} tensor, median RTT (µs)", *metric(f"echo_{label}_us"),
-                        fmt="{:.0f}"))
-        big = label == "64 MB"
-        rows.append(Row(f"echo {label} tensor, bandwidth (GB/s)", *metric(f"echo_{label}_gbps"),
-                        fmt="{:.3f}", target="ratio ≥ 2" if big else "",
-                        test=(lambda x: x >= 2.0) if big else None))
     def fork(key: str) -> tuple[float | None, float | None]:
         return pair(lambda r: _metric(r["fork"], key) if r.get("fork") else None)
 
-    n = cfg.fork_cycles
+    def both(key: str) -> tuple[float | None, float | None]:  # one value, no library
+        value = (local or {}).get(key)
+        return value, value
+
+    rows: list[Row] = []
+    if "rpc" in cfg.cases:
+        rows += [
+            Row("rpc_sync no-op, median (µs)", *metric("sync_median_us"),
+                target="ratio ≤ 0.6", test=lambda x: x <= 0.6),
+            Row("rpc_sync no-op, p99 (µs)", *metric("sync_p99_us")),
+            Row("rpc_async no-op, ≤64 in flight (calls/s)", *metric("async_calls_per_s"),
+                fmt="{:.0f}", target="ratio ≥ 3", test=lambda x: x >= 3.0),
+        ]
+        for label in ECHO_SIZES:
+            rows.append(Row(f"echo {label} tensor, median RTT (µs)",
+                            *metric(f"echo_{label}_us"), fmt="{:.0f}"))
+            big = label == "64 MB"
+            rows.append(Row(f"echo {label} tensor, bandwidth (GB/s)",
+                            *metric(f"echo_{label}_gbps"), fmt="{:.3f}",
+                            target="ratio ≥ 2" if big else "",
+                            test=(lambda x: x >= 2.0) if big else None))
+        rows.append(Row("remote() + to_here(), median (µs)", *metric("remote_median_us")))
+    if "fork" in cfg.cases:
+        n = cfg.fork_cycles
+        rows += [
+            Row(f"{n} create/fork/delete cycles, 3 workers, until all freed (ms)",
+                *fork("fork_total_ms")),
+            Row("… of which waiting for the frees after the last cycle (ms)",
+                *fork("fork_wait_ms"), fmt="{:.2f}"),
+        ]
+    if "autograd" in cfg.cases:
+        n = cfg.autograd_n
+        rows += [
+            Row(f"dist autograd: rpc_sync(x @ W, {n}×{n}) + backward, median (ms/iter)",
+                *metric("autograd_ms"), fmt="{:.2f}", target="ratio ≤ 0.5",
+                test=lambda x: x <= 0.5),
+            Row("… the same in one process, no RPC (ms/iter)", *both("autograd_local_ms"),
+                fmt="{:.2f}", ratio_ok=False),
+            Row("dist autograd + DistributedOptimizer(SGD).step, median (ms/iter)",
+                *metric("autograd_step_ms"), fmt="{:.2f}"),
+            Row("… the same in one process, no RPC (ms/iter)",
+                *both("autograd_step_local_ms"), fmt="{:.2f}", ratio_ok=False),
+        ]
+    if "rpc" not in cfg.cases:
+        return rows
     rows += [
-        Row("remote() + to_here(), median (µs)", *metric("remote_median_us")),
-        Row(f"{n} create/fork/delete cycles, 3 workers, until all freed (ms)",
-            *fork("fork_total_ms")),
-        Row("… of which waiting for the frees after the last cycle (ms)",
-            *fork("fork_wait_ms"), fmt="{:.2f}"),
         Row("import of the RPC library, torch already imported (ms)", *ranks("import_s"),
             ratio_ok=False),
         Row("import of the RPC library in a fresh interpreter (ms)",
@@ -597,29 +731,56 @@ def render_markdown(rows: list[Row]) -> str:
 
 def describe(cfg: Config, quick: bool, markdown: bool) -> str:
     echo = ", ".join(f"{k}: {w}+{n}" for k, (w, n) in cfg.echo.items())
+    iterations = []
+    if "rpc" in cfg.cases:
+        iterations.append(
+            f"rpc_sync {cfg.sync[0]}+{cfg.sync[1]}; rpc_async {cfg.async_rounds} round(s) of "
+            f"{cfg.async_calls} calls, ≤{cfg.async_window} in flight; echo {echo}; remote "
+            f"{cfg.remote[0]}+{cfg.remote[1]}")
+    if "fork" in cfg.cases:
+        iterations.append(f"create/fork/delete {cfg.fork_rounds[0]}+{cfg.fork_rounds[1]} "
+                          f"round(s) of {cfg.fork_cycles} cycles")
+    if "autograd" in cfg.cases:
+        iterations.append(f"dist autograd {cfg.autograd[0]}+{cfg.autograd[1]} per case, "
+                          f"local reference {cfg.autograd_local[0]}+{cfg.autograd_local[1]}")
+    selected = "" if cfg.cases == CASES else f" [--cases {','.join(cfg.cases)}]"
     lines = [
-        f"nbrpc vs torch.distributed.rpc (TensorPipe, default options){' [--quick]' if quick else ''}",
+        f"nbrpc vs torch.distributed.rpc (TensorPipe, default options)"
+        f"{' [--quick]' if quick else ''}{selected}",
         f"torch {torch.__version__}, Python {platform.python_version()}, "
         f"{os.cpu_count()} CPUs, {platform.machine()}; 2 processes (3 for the cycles) on "
         f"127.0.0.1; load average "
         f"at the end {os.getloadavg()[0]:.2f} (other work on the machine skews the numbers)",
-        f"iterations (warm-up+timed): rpc_sync {cfg.sync[0]}+{cfg.sync[1]}; rpc_async "
-        f"{cfg.async_rounds} round(s) of {cfg.async_calls} calls, ≤{cfg.async_window} in flight; "
-        f"echo {echo}; remote {cfg.remote[0]}+{cfg.remote[1]}; create/fork/delete "
-        f"{cfg.fork_rounds[0]}+{cfg.fork_rounds[1]} round(s) of {cfg.fork_cycles} cycles",
-        "create/fork/delete cycles: a separate group of 3 processes; rank 0 runs rref = "
-        "remote(owner, Value), rpc_sync(other, use, args=(rref,)) (use calls to_here()), "
-        "del rref, the owner alternating between ranks 1 and 2; the clock stops when "
-        "both owners have freed every value (Value.__del__ counts, polled by rank 0 "
-        f"every {cfg.fork_poll_s * 1e3:g} ms; not freed {cfg.fork_deadline_s:g} s after "
-        "the last cycle = a failure)",
-        "bandwidth = 2 * tensor size / median round-trip time (GB/s = 1e9 bytes/s; "
-        "1 MB = 2**20 bytes, float32 tensors)",
-        "RSS over import torch: VmRSS after init_rpc + a few no-op calls minus VmRSS after "
-        "import torch (MiB)",
-        "`import torch` already loads torch.distributed.rpc, so importing it afterwards is "
-        "free (no ratio shown); the fresh-interpreter import includes torch for both",
+        "iterations (warm-up+timed): " + "; ".join(iterations),
     ]
+    if "fork" in cfg.cases:
+        lines.append(
+            "create/fork/delete cycles: a separate group of 3 processes; rank 0 runs rref = "
+            "remote(owner, Value), rpc_sync(other, use, args=(rref,)) (use calls to_here()), "
+            "del rref, the owner alternating between ranks 1 and 2; the clock stops when "
+            "both owners have freed every value (Value.__del__ counts, polled by rank 0 "
+            f"every {cfg.fork_poll_s * 1e3:g} ms; not freed {cfg.fork_deadline_s:g} s after "
+            "the last cycle = a failure)")
+    if "autograd" in cfg.cases:
+        n = cfg.autograd_n
+        lines.append(
+            f"dist autograd: x ({n}×{n}, rank 0) and W ({n}×{n}, built on rank 1 by remote()), "
+            "both requiring grad; per iteration `with context() as ctx: y = rpc_sync(worker1, "
+            "matmul_rref, args=(x, w_rref)); backward(ctx, [y.sum()])` (worker1 computes "
+            f"x @ W), plus DistributedOptimizer(SGD, [w_rref], lr={cfg.autograd_lr:g})"
+            ".step(ctx) in the second case; the context's exit is timed; the library's own "
+            "autograd and optimizer (torch.distributed.autograd / .optim for torch); "
+            "reference: (x @ W).sum().backward() (+ SGD.step()) in the parent process with no "
+            "RPC agent alive, one value shown in both columns")
+    if "rpc" in cfg.cases:
+        lines += [
+            "bandwidth = 2 * tensor size / median round-trip time (GB/s = 1e9 bytes/s; "
+            "1 MB = 2**20 bytes, float32 tensors)",
+            "RSS over import torch: VmRSS after init_rpc + a few no-op calls minus VmRSS after "
+            "import torch (MiB)",
+            "`import torch` already loads torch.distributed.rpc, so importing it afterwards is "
+            "free (no ratio shown); the fresh-interpreter import includes torch for both",
+        ]
     return "\n".join(f"- {line}" for line in lines) if markdown else "\n".join(lines)
 
 
@@ -628,7 +789,8 @@ def problems(results: dict[str, dict[str, Any]]) -> list[str]:
     for lib, res in results.items():
         if res.get("cold_import_error"):
             out.append(f"{lib}: import in a fresh interpreter failed: {res['cold_import_error']}")
-        out += _run_problems(lib, res)
+        if "world_size" in res:  # the two-worker run (not made for --cases fork)
+            out += _run_problems(lib, res)
         if res.get("fork"):
             out += _run_problems(f"{lib} (3 workers)", res["fork"])
     return out
@@ -672,14 +834,24 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--markdown", action="store_true", help="print the table as Markdown")
     ap.add_argument("--timeout", type=float, default=None,
                     help="seconds after which one library's processes are killed "
-                         "(default 80, 45 with --quick)")
+                         "(default 100, 60 with --quick)")
     ap.add_argument("--repeat", type=int, default=None,
                     help="run both libraries this many times, alternating, and report "
                          "medians (default 3, 1 with --quick): single runs on a small "
                          "VM vary by 2x")
+    ap.add_argument("--cases", default=",".join(CASES),
+                    help=f"comma list of the cases to run, of {', '.join(CASES)} (default: "
+                         "all): rpc = the two-worker RPC set with start-up, import and "
+                         "memory; fork = the create/fork/delete cycles; autograd = "
+                         "distributed autograd and DistributedOptimizer")
     args = ap.parse_args(argv)
-    cfg = QUICK if args.quick else Config()
-    limit = args.timeout or (45.0 if args.quick else 80.0)
+    cases = tuple(c for c in CASES if c in args.cases.split(","))
+    unknown = set(args.cases.split(",")) - set(CASES)
+    if unknown or not cases:
+        ap.error(f"--cases: unknown {', '.join(sorted(unknown)) or 'empty list'}; "
+                 f"choose from {', '.join(CASES)}")
+    cfg = dataclasses.replace(QUICK if args.quick else Config(), cases=cases)
+    limit = args.timeout or (60.0 if args.quick else 100.0)
     cfg = dataclasses.replace(cfg, serve_timeout_s=limit)
     repeat = max(1, args.repeat or (1 if args.quick else 3))
     ports: set[int] = set()
@@ -690,25 +862,34 @@ def main(argv: list[str] | None = None) -> int:
     issues: list[str] = []
     all_results: list[dict[str, dict[str, Any]]] = []
     for rep in range(repeat):
-        results: dict[str, dict[str, Any]] = {}
-        for lib in LIBRARIES:
+        results: dict[str, dict[str, Any]] = {lib: {} for lib in LIBRARIES}
+        local: dict[str, float] = {}
+        if "autograd" in cases:  # here: no agent of either library is alive now
+            failures: list[str] = []
+            try:
+                local = bench_autograd_local(cfg, failures)
+                check_failures(failures, 2 * sum(cfg.autograd_local))
+            except Exception as e:
+                issues.append(f"dist autograd local reference: {type(e).__name__}: {e}")
+        for lib in LIBRARIES if "rpc" in cases or "autograd" in cases else ():
             port = free_port(ports)
             ports.add(port)
             print(f"[{rep + 1}/{repeat}] running {lib} (MASTER_PORT={port}) ...",
                   file=sys.stderr, flush=True)
             results[lib] = run_library(lib, port, cfg, limit)
-            results[lib]["cold_import_s"], results[lib]["cold_import_error"] = cold_import_s(
-                lib, cfg.import_runs)
+            if "rpc" in cases:
+                results[lib]["cold_import_s"], results[lib]["cold_import_error"] = (
+                    cold_import_s(lib, cfg.import_runs))
             print(f"  {lib} done in {results[lib]['wall_s']:.1f} s", file=sys.stderr,
                   flush=True)
-        for lib in LIBRARIES:
+        for lib in LIBRARIES if "fork" in cases else ():
             port = free_port(ports)
             ports.add(port)
             print(f"[{rep + 1}/{repeat}] running {lib}, 3 workers: create/fork/delete cycles "
                   f"(MASTER_PORT={port}) ...", file=sys.stderr, flush=True)
             fork = results[lib]["fork"] = run_library(lib, port, fork_cfg, fork_limit, 3)
             print(f"  {lib} done in {fork['wall_s']:.1f} s", file=sys.stderr, flush=True)
-        reps.append(build_rows(results["nbrpc"], results["torch"], cfg))
+        reps.append(build_rows(results["nbrpc"], results["torch"], cfg, local))
         issues += problems(results)
         all_results.append(results)
     rows = merge_repetitions(reps)
@@ -717,8 +898,9 @@ def main(argv: list[str] | None = None) -> int:
           "repetition(s); ratio range: lowest and highest per-repetition ratio")
     print()
     print(render_markdown(rows) if args.markdown else render_text(rows))
-    print()
-    print(fork_rounds(all_results, args.markdown))
+    if "fork" in cases:
+        print()
+        print(fork_rounds(all_results, args.markdown))
     if issues:
         print("\nproblems:")
         print("\n".join(f"- {p}" for p in issues))

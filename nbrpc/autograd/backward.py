@@ -222,7 +222,7 @@ def forward(agent: Agent, ctx: AutogradContext, pass_id: tuple[int, int],
 def handle_grads(msg: Grads, sender: int) -> Any:
     agent = _agent()
     ctx = contexts_of(agent).get(msg.ctx_id)
-    lp = ctx.new_pass(agent.name, msg.pass_id, msg.retain_graph)
+    lp = ctx.new_pass(agent.name, msg.pass_id, msg.retain_graph, norms=msg.step)
     origin = sender if msg.origin is None else msg.origin
     trigger = f"grads for send #{msg.msg_id & 0xFFFF} from {agent._peer_name(origin)}"
     if msg.step:

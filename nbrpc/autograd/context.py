@@ -77,14 +77,14 @@ class AutogradContext:
         self.grads[leaf] = g if old is None else old + g
 
     def new_pass(self, worker: str, pass_id: tuple[int, int], retain_graph: bool,
-                 roots: list[torch.Tensor] | None = None) -> LocalPass:
+                 roots: list[torch.Tensor] | None = None, norms: bool = False) -> LocalPass:
         """The pass ``pass_id`` on this worker (made on its first gradient)."""
         lp = self.passes.get(pass_id)
         if lp is None:
             lp = self.passes[pass_id] = LocalPass(
                 worker, {m: s.tensors for m, s in self.sends.items()},
                 {m: (r.peer, r.tensors) for m, r in self.recvs.items()}, self.accumulate,
-                roots=roots, retain_graph=retain_graph, names=self.leaf_name)
+                roots=roots, retain_graph=retain_graph, names=self.leaf_name, norms=norms)
         return lp
 
     def received(self, t: torch.Tensor) -> bool:

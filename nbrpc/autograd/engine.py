@@ -109,8 +109,12 @@ class LocalPass:
                  recvs: dict[int, tuple[int, list[torch.Tensor]]],
                  accumulate: Callable[[torch.Tensor, torch.Tensor], None],
                  roots: list[torch.Tensor] | None = None, retain_graph: bool = False,
-                 names: Callable[[torch.Tensor], str] | None = None) -> None:
+                 names: Callable[[torch.Tensor], str] | None = None,
+                 norms: bool = True) -> None:
         self.worker, self.retain_graph = worker, retain_graph
+        # gradient norms in the records (step mode); a norm of a large gradient
+        # costs as much as a small matmul, so normal mode leaves them out
+        self._norm = norm if norms else (lambda g: None)
         self._accumulate = accumulate
         self._name = names or (lambda t: f"leaf{tuple(t.shape)}")
         self._sends = {m: [edge(t) for t in ts] for m, ts in sends.items()}
@@ -233,7 +237,7 @@ class LocalPass:
                outbox: list[Outgoing]) -> tuple[StageRecord, list[Outgoing]]:
         for out in outbox:
             record.sent.append({"to": out.peer, "msg_id": out.msg_id,
-                                "norms": [norm(g) for g in out.grads]})
+                                "norms": [self._norm(g) for g in out.grads]})
         record.blocked = self.blocked()
         return record, outbox
 
@@ -244,7 +248,7 @@ class LocalPass:
             if g is not None:
                 self._accumulate(leaf, g)
                 record.gradients.append({"leaf": self._name(leaf),
-                                         "shape": list(leaf.shape), "norm": norm(g)})
+                                         "shape": list(leaf.shape), "norm": self._norm(g)})
             return
         m, i = recv
         self._recv_out[m][i] = g

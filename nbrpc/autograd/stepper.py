@@ -67,7 +67,8 @@ class BackwardStepper:
         self.roots = check_roots(roots, self._ctx.received)
         self.context_id, self.retain_graph = ctx_id, retain_graph
         self.pass_id = (agent.rank, next(_pass_ids))
-        self._lp = self._ctx.new_pass(agent.name, self.pass_id, retain_graph, roots=self.roots)
+        self._lp = self._ctx.new_pass(agent.name, self.pass_id, retain_graph, roots=self.roots,
+                                      norms=True)
         self._queue: deque[_Stage] = deque([_Stage(agent.rank, "roots")])
         self._blocked: set[int] = set()
         self._flush_rounds = 0
