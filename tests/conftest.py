@@ -93,3 +93,35 @@ def no_thread_leak() -> Iterator[None]:
     yield
     assert poll_for(lambda: not [t for t in threading.enumerate() if t.name.startswith("nbrpc")],
                     timeout=5), [t.name for t in threading.enumerate()]
+
+
+def spawn_and_collect(child, args: tuple, nprocs: int, results, timeout: float):
+    """``mp.spawn(child, args)`` without joining; collect what the children put on
+    ``results`` until they exit or ``timeout`` passes, then kill the ones still
+    alive (only ours, by their handles). Returns (rows, exit codes, seconds)."""
+    import queue as _queue
+    from pathlib import Path as _Path
+
+    import torch.multiprocessing as _mp
+    t0 = time.monotonic()
+    procs = _mp.spawn(child, args=args, nprocs=nprocs, join=False)
+    rows: list = []
+    deadline = t0 + timeout
+    while any(p.is_alive() for p in procs.processes) and time.monotonic() < deadline:
+        try:
+            rows.append(results.get(timeout=0.1))
+        except _queue.Empty:
+            pass
+    for p in procs.processes:
+        if p.is_alive():
+            p.kill()
+        p.join(5)
+    while True:
+        try:
+            rows.append(results.get(timeout=0.2))
+        except _queue.Empty:
+            break
+    results.close()
+    for f in procs.error_files:  # spawn's per-process error files (written on a crash)
+        _Path(f).unlink(missing_ok=True)
+    return rows, [p.exitcode for p in procs.processes], time.monotonic() - t0

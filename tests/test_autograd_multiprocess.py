@@ -38,20 +38,18 @@ from __future__ import annotations
 
 import faulthandler
 import os
-import queue
 import signal
 import threading
 import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 import torch.multiprocessing as mp
-from conftest import free_ports, poll_or_fail
+from conftest import free_ports, poll_or_fail, spawn_and_collect
 from torch import nn
 
 from nbrpc import autograd as dist_autograd
@@ -660,28 +658,9 @@ def _run_world(name: str) -> World:
     sync = {"barrier": ctx.Barrier(WORLD), "trainers": ctx.Barrier(2), "done": ctx.Event(),
             "victim_ready": ctx.Event(), "relayed": ctx.Event()}
     (port,) = free_ports(1)
-    t0 = time.monotonic()
-    procs = mp.spawn(_child, args=(name, port, results, sync), nprocs=WORLD, join=False)
-    rows: list = []
-    deadline = t0 + WORLD_TIMEOUT_S
-    while any(p.is_alive() for p in procs.processes) and time.monotonic() < deadline:
-        try:
-            rows.append(results.get(timeout=0.1))
-        except queue.Empty:
-            pass
-    for p in procs.processes:  # only our own children, by their handles
-        if p.is_alive():
-            p.kill()
-        p.join(5)
-    while True:
-        try:
-            rows.append(results.get(timeout=0.2))
-        except queue.Empty:
-            break
-    results.close()
-    for f in procs.error_files:  # spawn's per-process error files (written on a crash)
-        Path(f).unlink(missing_ok=True)
-    return World(name, rows, [p.exitcode for p in procs.processes], time.monotonic() - t0)
+    rows, codes, secs = spawn_and_collect(_child, (name, port, results, sync), WORLD, results,
+                                          WORLD_TIMEOUT_S)
+    return World(name, rows, codes, secs)
 
 
 @pytest.fixture(scope="module")
