@@ -7,6 +7,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import pytest
@@ -95,10 +96,37 @@ def no_thread_leak() -> Iterator[None]:
                     timeout=5), [t.name for t in threading.enumerate()]
 
 
-def spawn_and_collect(child, args: tuple, nprocs: int, results, timeout: float):
+@dataclass
+class World:
+    """What the processes of one spawned world reported: one row per step
+    (``phase``, ``name``, ``rank``, ``ok``, ``error``, ...), and how they exited."""
+
+    name: str
+    rows: list
+    exitcodes: list
+    secs: float
+
+    def row(self, phase: str, name: str, rank: int) -> dict:
+        for r in self.rows:
+            if (r["phase"], r["name"], r["rank"]) == (phase, name, rank):
+                return r
+        crashes = [r["error"] for r in self.rows if r["name"] == "<crash>"]
+        pytest.fail(f"no row {phase}/{name} from rank {rank} in world {self.name!r} "
+                    f"(exit codes {self.exitcodes}); crashes: {crashes}", pytrace=False)
+
+    def ok(self, phase: str, name: str, rank: int) -> dict:
+        r = self.row(phase, name, rank)
+        if not r["ok"]:
+            pytest.fail(f"{self.name}/{phase} {name} on rank {rank} failed:\n{r['error']}",
+                        pytrace=False)
+        return r
+
+
+def spawn_world(name: str, child, args: tuple, nprocs: int, results,
+                timeout: float) -> World:
     """``mp.spawn(child, args)`` without joining; collect what the children put on
     ``results`` until they exit or ``timeout`` passes, then kill the ones still
-    alive (only ours, by their handles). Returns (rows, exit codes, seconds)."""
+    alive (only ours, by their handles)."""
     import queue as _queue
     from pathlib import Path as _Path
 
@@ -124,4 +152,4 @@ def spawn_and_collect(child, args: tuple, nprocs: int, results, timeout: float):
     results.close()
     for f in procs.error_files:  # spawn's per-process error files (written on a crash)
         _Path(f).unlink(missing_ok=True)
-    return rows, [p.exitcode for p in procs.processes], time.monotonic() - t0
+    return World(name, rows, [p.exitcode for p in procs.processes], time.monotonic() - t0)

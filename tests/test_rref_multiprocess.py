@@ -52,7 +52,7 @@ from typing import Any
 import pytest
 import torch
 import torch.multiprocessing as mp
-from conftest import free_ports, poll_or_fail, spawn_and_collect
+from conftest import World, free_ports, poll_or_fail, spawn_world
 
 import nbrpc.debug
 from nbrpc import rpc
@@ -578,38 +578,14 @@ def _child(rank: int, world: str, port: int, results: Any, sync: dict) -> None:
 
 
 # -- the parent side -----------------------------------------------------------------------
-@dataclass
-class World:
-    name: str
-    rows: list
-    exitcodes: list
-    secs: float
-
-    def row(self, phase: str, name: str, rank: int) -> dict:
-        for r in self.rows:
-            if (r["phase"], r["name"], r["rank"]) == (phase, name, rank):
-                return r
-        crashes = [r["error"] for r in self.rows if r["name"] == "<crash>"]
-        pytest.fail(f"no row {phase}/{name} from rank {rank} in world {self.name!r} "
-                    f"(exit codes {self.exitcodes}); crashes: {crashes}", pytrace=False)
-
-    def ok(self, phase: str, name: str, rank: int) -> dict:
-        r = self.row(phase, name, rank)
-        if not r["ok"]:
-            pytest.fail(f"{self.name}/{phase} {name} on rank {rank} failed:\n{r['error']}",
-                        pytrace=False)
-        return r
-
-
 def _run_world(name: str) -> World:
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     sync = {"barrier": ctx.Barrier(WORLD), "killed": ctx.Event(), "done": ctx.Event(),
             "victim_ready": ctx.Event()}
     (port,) = free_ports(1)
-    rows, codes, secs = spawn_and_collect(_child, (name, port, results, sync), WORLD, results,
-                                          WORLD_TIMEOUT_S)
-    return World(name, rows, codes, secs)
+    return spawn_world(name, _child, (name, port, results, sync), WORLD, results,
+                       WORLD_TIMEOUT_S)
 
 
 @pytest.fixture(scope="module")

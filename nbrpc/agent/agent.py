@@ -48,7 +48,7 @@ from ..errors import (
     UnknownWorkerError,
     WorkerGoneError,
 )
-from ..serialize import dumps, loads, parallel_copy
+from ..serialize import current_context, dumps, loads, parallel_copy
 from ..transport import Envelope, IOLoop
 from .asyncfn import check_future, is_async
 from .events import EventLog
@@ -162,7 +162,6 @@ class _Tag:
 
 
 def _restore_tag(value: Any) -> type:
-    from ..serialize import current_context
     current_context().tag = value
     return _Tag
 

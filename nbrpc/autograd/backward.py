@@ -219,25 +219,31 @@ def forward(agent: Agent, ctx: AutogradContext, pass_id: tuple[int, int],
             failed(None, e)
 
 
-def handle_grads(msg: Grads, sender: int) -> Any:
-    agent = _agent()
-    ctx = contexts_of(agent).get(msg.ctx_id)
-    lp = ctx.new_pass(agent.name, msg.pass_id, msg.retain_graph, norms=msg.step)
-    origin = sender if msg.origin is None else msg.origin
-    trigger = f"grads for send #{msg.msg_id & 0xFFFF} from {agent._peer_name(origin)}"
+def _serve_stage(agent: Agent, ctx: AutogradContext, lp: LocalPass, msg: Grads | Flush,
+                 trigger: str, feed: Any) -> Any:
+    """Step mode: run the stage, answer with its record and what it would send.
+    Normal mode: run it, pass the credit on (or back, with the error if it failed)."""
     if msg.step:
-        data, outbox = run_stage(agent, ctx, lp, trigger,
-                                 lambda p: p.receive(msg.msg_id, msg.grads))
+        data, outbox = run_stage(agent, ctx, lp, trigger, feed)
         return data, [(o.peer, o.msg_id, o.grads) for o in outbox]
     try:
-        data, outbox = run_stage(agent, ctx, lp, trigger,
-                                 lambda p: p.receive(msg.msg_id, msg.grads))
+        data, outbox = run_stage(agent, ctx, lp, trigger, feed)
     except BaseException as e:  # the initiator fails the pass with this error
         give_back(agent, ctx.id, msg.pass_id, msg.credit, False, e)
         return None
     forward(agent, ctx, msg.pass_id, outbox, msg.retain_graph, msg.credit,
             bool(data["blocked"]))
     return None
+
+
+def handle_grads(msg: Grads, sender: int) -> Any:
+    agent = _agent()
+    ctx = contexts_of(agent).get(msg.ctx_id)
+    lp = ctx.new_pass(agent.name, msg.pass_id, msg.retain_graph, norms=msg.step)
+    origin = sender if msg.origin is None else msg.origin
+    trigger = f"grads for send #{msg.msg_id & 0xFFFF} from {agent._peer_name(origin)}"
+    return _serve_stage(agent, ctx, lp, msg, trigger,
+                        lambda p: p.receive(msg.msg_id, msg.grads))
 
 
 def handle_flush(msg: Flush, sender: int) -> Any:
@@ -248,17 +254,7 @@ def handle_flush(msg: Flush, sender: int) -> Any:
         if not msg.step:
             give_back(agent, ctx.id, msg.pass_id, msg.credit, False)
         return None
-    if msg.step:
-        data, outbox = run_stage(agent, ctx, lp, "flush", lambda p: None)
-        return data, [(o.peer, o.msg_id, o.grads) for o in outbox]
-    try:
-        data, outbox = run_stage(agent, ctx, lp, "flush", lambda p: None)
-    except BaseException as e:
-        give_back(agent, ctx.id, msg.pass_id, msg.credit, False, e)
-        return None
-    forward(agent, ctx, msg.pass_id, outbox, msg.retain_graph, msg.credit,
-            bool(data["blocked"]))
-    return None
+    return _serve_stage(agent, ctx, lp, msg, "flush", lambda p: None)
 
 
 def handle_credit(msg: Credit, sender: int) -> None:
@@ -271,17 +267,9 @@ def handle_credit(msg: Credit, sender: int) -> None:
 
 def handle_abort(msg: Abort, sender: int) -> None:
     agent = _agent()
-    contexts = contexts_of(agent)
-    ctx = contexts.contexts.get(msg.ctx_id)
-    if ctx is None:
-        return
-    lp = ctx.passes.get(msg.pass_id)
-    if lp is not None and not lp.failed:
-        lp.failed = msg.reason
-    told = msg.told | ctx.known | {agent.rank}
-    for rank in sorted(ctx.known - msg.told - {agent.rank}):
-        if rank in agent._members:
-            contexts.tell(rank, Abort(msg.ctx_id, msg.pass_id, msg.reason, told))
+    ctx = contexts_of(agent).contexts.get(msg.ctx_id)
+    if ctx is not None:
+        abort_everywhere(agent, ctx, msg.pass_id, msg.reason, msg.told)
 
 
 def run_backward(agent: Agent, ctx_id: int, roots: Any, retain_graph: bool = False) -> None:
@@ -328,10 +316,15 @@ def run_backward(agent: Agent, ctx_id: int, roots: Any, retain_graph: bool = Fal
 
 
 def abort_everywhere(agent: Agent, ctx: AutogradContext, pass_id: tuple[int, int],
-                     reason: str) -> None:
-    """The pass failed: every worker that took part stops its part."""
-    told = frozenset(ctx.known | {agent.rank})
-    for rank in sorted(ctx.known - {agent.rank}):
+                     reason: str, told: frozenset[int] = frozenset()) -> None:
+    """The pass failed: stop it here and tell the workers this one knows (they
+    tell theirs; ``told``: those told already)."""
+    lp = ctx.passes.get(pass_id)
+    if lp is not None and not lp.failed:
+        lp.failed = reason
+    targets = ctx.known - told - {agent.rank}
+    told = frozenset(told | ctx.known | {agent.rank})
+    for rank in sorted(targets):
         if rank in agent._members:
             contexts_of(agent).tell(rank, Abort(ctx.id, pass_id, reason, told))
 

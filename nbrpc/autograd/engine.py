@@ -33,6 +33,7 @@ nodes with what they have, once the rest of the pass is over.
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import itertools
 import math
@@ -72,9 +73,7 @@ class StageRecord:
     blocked: int = 0  # nodes still waiting for gradients after this stage
 
     def as_dict(self) -> dict[str, Any]:
-        return {"worker": self.worker, "trigger": self.trigger, "nodes": list(self.nodes),
-                "gradients": list(self.gradients), "sent": list(self.sent),
-                "blocked": self.blocked}
+        return dataclasses.asdict(self)
 
 
 def edge(t: torch.Tensor) -> tuple[Node, int]:
