@@ -90,10 +90,12 @@ class EmbeddingTable(nn.Module):
 
     def __init__(self, ntoken: int, ninp: int, dropout: float, seed: int) -> None:
         super().__init__()
-        torch.manual_seed(seed)  # the same weights wherever it is built
         self.drop = nn.Dropout(dropout)
         self.encoder = nn.Embedding(ntoken, ninp)
-        nn.init.uniform_(self.encoder.weight, -0.1, 0.1)
+        # the same weights wherever it is built: a private generator (the global
+        # one is shared by the RPC threads, which may build two modules at once)
+        g = torch.Generator().manual_seed(seed)
+        nn.init.uniform_(self.encoder.weight, -0.1, 0.1, generator=g)
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         return self.drop(self.encoder(input))
@@ -104,19 +106,22 @@ class Decoder(nn.Module):
 
     def __init__(self, ntoken: int, nhid: int, dropout: float, seed: int) -> None:
         super().__init__()
-        torch.manual_seed(seed)
         self.drop = nn.Dropout(dropout)
         self.decoder = nn.Linear(nhid, ntoken)
+        g = torch.Generator().manual_seed(seed)
         nn.init.zeros_(self.decoder.bias)
-        nn.init.uniform_(self.decoder.weight, -0.1, 0.1)
+        nn.init.uniform_(self.decoder.weight, -0.1, 0.1, generator=g)
 
     def forward(self, output: torch.Tensor) -> torch.Tensor:
         return self.decoder(self.drop(output))
 
 
 def _lstm() -> nn.LSTM:
-    torch.manual_seed(2)
-    return nn.LSTM(NINP, NHID, NLAYERS, dropout=0.0)
+    lstm = nn.LSTM(NINP, NHID, NLAYERS, dropout=0.0)
+    g = torch.Generator().manual_seed(2)
+    for p in lstm.parameters():
+        nn.init.uniform_(p, -0.3, 0.3, generator=g)
+    return lstm
 
 
 class DistRNN(nn.Module):
