@@ -329,6 +329,9 @@ def test_dynamic_group_members_join_and_leave() -> None:
         late.start(lead.address, 5)
         assert poll_for(lambda: "w2" in w1._by_name)
         assert w1.rpc_async("w2", whoami).wait() == "w2"
+        assert lead.rpc_async("w2", whoami).wait() == "w2"  # the coordinator calls it too
+        time.sleep(3 * lead.options.failure_timeout / 2)  # heartbeats flow both ways
+        assert late.state == "ready" and lead.is_member(2) and late.is_member(0)
         late.shutdown()
         assert poll_for(lambda: "w2" not in w1._by_name and "w2" not in lead._by_name)
         with pytest.raises(UnknownWorkerError):

@@ -450,12 +450,26 @@ class Agent:
         if m.rank != self.rank:
             self.io.set_address(m.rank, m.address)
 
-    def _remove_member(self, rank: int, dead: bool = False) -> None:
+    def expel(self, rank: int, dead: bool = True, why: str | None = None) -> None:
+        """Coordinator only: drop ``rank`` from the group now, as the failure
+        detector would (``dead``) or as a leave, e.g. because its process is
+        known to have exited. Everyone is told; calls to it fail at once."""
+        if self._coordinator is None:
+            raise RuntimeError(f"only the coordinator (rank 0) can expel a member, not {self.name!r}")
+
+        def run() -> None:
+            if rank in self._members and rank != self.rank:
+                self._dispatch(self._coordinator.on_leave(rank, dead=dead))
+                self._remove_member(rank, dead=dead, why=why)
+
+        self.io.call_soon(run)
+
+    def _remove_member(self, rank: int, dead: bool = False, why: str | None = None) -> None:
         m = self._members.pop(rank, None)
         if m is None:
             return
-        why = ("died (no heartbeat for "
-               f"{self.options.failure_timeout:g} s)" if dead else "left the group")
+        why = why or ("died (no heartbeat for "
+                      f"{self.options.failure_timeout:g} s)" if dead else "left the group")
         self._gone[rank] = (m.name, why)
         (log.warning if dead else log.info)("nbrpc agent %r: worker %r (rank %d) %s",
                                             self.name, m.name, rank, why)
@@ -473,6 +487,10 @@ class Agent:
                 hook(rank)
             except Exception:
                 log.exception("a member-gone hook failed for rank %d", rank)
+
+    def is_member(self, rank: int) -> bool:
+        """Whether ``rank`` is in this agent's current member table."""
+        return rank in self._members
 
     def gone_why(self, rank: int) -> str | None:
         """Why ``rank`` is no longer a member ("died (no heartbeat ...)"), or None."""
@@ -748,6 +766,12 @@ class Agent:
         if m.rank != self.rank:
             self.io.set_address(m.rank, m.address)
         self._dispatch(self._coordinator.on_join(join))
+        if (self.world_size is None and m.rank != self.rank
+                and self._coordinator.members.get(m.rank) == m):
+            # dynamic group: the coordinator is a member too (it calls the
+            # joiner, and heartbeats and watches it from now on)
+            self._add_member(m)
+            self._coordinator.heard_from(m.rank, time.monotonic())
 
     def _dispatch(self, outbox: list) -> None:
         for rank, msg in outbox:

@@ -1,0 +1,598 @@
+"""``nbrpc.Cluster``: ipyparallel engines that each host an nbrpc agent, with the
+calling process (a notebook kernel, a script) joined as ``driver`` (rank 0).
+
+Start-up, in order (each wait bounded and interruptible)::
+
+    driver agent (rank 0, dynamic group) ─┐
+    ipyparallel controller (guarded) ─────┼─ concurrently
+    warm zygote: imports torch once ──────┘
+    one engine set per rank: worker1..workerN (--IPEngine.id=rank, $NBRPC_WORKER)
+    as each engine registers: client[id].apply(start_agent, key, driver address)
+    ready when every worker is a member of the driver's group
+
+One engine set per rank lets :meth:`Cluster.restart` replace one worker under
+the same name and rank. Engines that die are noticed twice: by their launcher
+(process exit) and by the agents' heartbeats; calls to them fail with
+:class:`~nbrpc.errors.WorkerGoneError` naming the worker.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import os
+import shutil
+import signal
+import socket
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..agent import Agent, AgentOptions, set_default_agent
+from ..agent.agent import _Default
+from ..errors import AlreadyInitializedError, NbrpcError
+from ..transport import new_key
+from . import engine as engine_side
+from .progress import Progress, make_progress
+from .status import ClusterStatus, WorkerStatus
+
+log = logging.getLogger(__name__)
+
+_LOCAL_LAUNCHERS = ("fork", "local")
+
+
+class ClusterError(NbrpcError):
+    """A cluster operation failed (an engine did not start, a name is unknown, ...)."""
+
+
+@dataclass
+class _Worker:
+    name: str
+    rank: int
+    engine_set: str = ""
+    engine_id: int | None = None
+    pid: int | None = None
+    host: str | None = None
+    procs: list[Any] = field(default_factory=list)  # psutil.Process of each engine launched
+    agent_call: Any = None  # ipyparallel AsyncResult of start_agent
+    launched: float = 0.0
+    exited: bool = False
+
+
+class _Loop:
+    """A private tornado/asyncio loop thread for ipyparallel's coroutines (stopped with us)."""
+
+    def __init__(self) -> None:
+        from tornado.ioloop import IOLoop
+
+        self.loop: Any = None
+        started = threading.Event()
+
+        def main() -> None:
+            self.loop = IOLoop(make_current=False)
+            self.loop.add_callback(started.set)
+            self.loop.start()
+            self.loop.close(all_fds=False)
+
+        self.thread = threading.Thread(target=main, name="nbrpc-cluster-loop", daemon=True)
+        self.thread.start()
+        if not started.wait(10):
+            raise ClusterError("the cluster's event loop thread did not start")
+
+    def run(self, fn: Callable[..., Coroutine], *args: Any, timeout: float = 60.0,
+            **kwargs: Any) -> Any:
+        """Run ``await fn(*args, **kwargs)`` on the loop; wait (bounded, interruptibly)."""
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+
+        async def call() -> None:
+            try:
+                fut.set_result(await fn(*args, **kwargs))
+            except BaseException as e:  # noqa: BLE001 - handed to the caller
+                fut.set_exception(e)
+
+        self.loop.add_callback(call)
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                return fut.result(timeout=0.1)
+            except concurrent.futures.TimeoutError:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"{getattr(fn, '__name__', fn)} did not finish "
+                                       f"within {timeout:g} s") from None
+
+    def call_soon(self, fn: Callable, *args: Any) -> None:
+        self.loop.add_callback(fn, *args)
+
+    def stop(self, timeout: float = 5.0) -> None:
+        if self.loop is not None and self.thread.is_alive():
+            self.loop.add_callback(self.loop.stop)
+            self.thread.join(timeout)
+
+
+class Cluster:
+    """A driver (this process, rank 0) and ipyparallel engines ``worker1``.. each
+    hosting an nbrpc agent; the RPC API works from the next line.
+
+    ``launcher``: ``"fork"`` (default: engines forked from a warm process that
+    has imported torch), ``"local"`` (ipyparallel's plain local processes), or
+    any ipyparallel engine launcher (``"mpi"``, ``"ssh"``, ``"slurm"``, ``"pbs"``,
+    ... or a class), configured with ``launcher_options`` (its traits, e.g.
+    ``{"engines": {"host1": 2}}`` for ssh). ``host`` is the interface the
+    driver's agent listens on (loopback for local launchers, else the address
+    that routes to the engines); ``controller_ip`` the controller's.
+
+    >>> import torch
+    >>> from nbrpc import rpc
+    >>> with Cluster(progress=False).start(2) as cluster:
+    ...     print(rpc.rpc_sync("worker2", torch.add, args=(torch.ones(2), 1)))
+    ...     print(cluster.status())
+    tensor([2., 2.])
+    nbrpc cluster (fork launcher): 2 workers ready
+      rank  name     state
+      0     driver   ready
+      1     worker1  ready
+      2     worker2  ready
+    """
+
+    def __init__(
+        self,
+        *,
+        launcher: str | type = "fork",
+        launcher_options: dict[str, Any] | None = None,
+        threads: int = 16,
+        timeout: float = 60.0,
+        rpc_timeout: float = 60.0,
+        host: str | None = None,
+        controller_ip: str | None = None,
+        heartbeat: float = 0.5,
+        profile_dir: str | None = None,
+        progress: bool | None = None,
+    ) -> None:
+        if int(threads) < 1:
+            raise ValueError(f"threads must be >= 1 (worker threads per agent), got {threads}")
+        if timeout <= 0:
+            raise ValueError(f"timeout must be > 0 seconds, got {timeout}")
+        self.launcher = launcher
+        self.launcher_options = dict(launcher_options or {})
+        self.threads = int(threads)
+        self.timeout = float(timeout)
+        self.rpc_timeout = float(rpc_timeout)
+        self.heartbeat = float(heartbeat)
+        self.controller_ip = controller_ip
+        self.host = host or ("127.0.0.1" if self._local else _routable_ip())
+        self.progress = progress
+        self._profile_dir = profile_dir
+        self._own_profile = False
+        self.workers: dict[str, _Worker] = {}
+        self.agent: Agent | None = None
+        self.client: Any = None
+        self.state = "stopped"
+        self._ipp: Any = None
+        self._loop: _Loop | None = None
+        self._zygote: Any = None
+        self._controller_proc: Any = None
+        self._lock = threading.RLock()
+        self.start_seconds: float | None = None
+
+    # -- properties ------------------------------------------------------------
+    @property
+    def _local(self) -> bool:
+        return isinstance(self.launcher, str) and self.launcher in _LOCAL_LAUNCHERS
+
+    @property
+    def launcher_name(self) -> str:
+        return self.launcher if isinstance(self.launcher, str) else self.launcher.__name__
+
+    @property
+    def names(self) -> list[str]:
+        """Worker names by rank (the driver excluded)."""
+        return [w.name for w in sorted(self.workers.values(), key=lambda w: w.rank)]
+
+    # -- lifecycle -------------------------------------------------------------
+    def start(self, n: int) -> Cluster:
+        """Start ``n`` engines with agents ``worker1..workerN`` and join as ``driver``.
+
+        Returns once every agent is ready (or raises, having stopped what it
+        started). Ctrl-C / the notebook's interrupt stops the start cleanly.
+        """
+        n = _check_count(n, "start")
+        with self._lock:
+            if self.state != "stopped":
+                raise ClusterError(f"the cluster is already {self.state}; use add({n}) to grow "
+                                   "it, or stop() it first")
+            if _Default.agent is not None:
+                raise AlreadyInitializedError(_Default.agent.name)
+            t0 = time.perf_counter()
+            self.state = "starting"
+            progress = make_progress(n, self.progress, "starting nbrpc workers")
+            try:
+                self._start_infrastructure(progress)
+                self._launch([(f"worker{r}", r) for r in range(1, n + 1)])
+                self._wait_ready(self.names, progress)
+            except BaseException:
+                progress.close("start failed")
+                self.state = "running"  # so that stop() tears down what exists
+                self.stop()
+                raise
+            self.state = "running"
+            self.start_seconds = time.perf_counter() - t0
+            progress.close(f"{n} workers ready in {self.start_seconds:.1f} s")
+            return self
+
+    def _start_infrastructure(self, progress: Progress) -> None:
+        import ipyparallel as ipp
+
+        from .launcher import ZYGOTES, GuardedControllerLauncher
+
+        key = new_key()
+        opts = AgentOptions(num_worker_threads=self.threads, rpc_timeout=self.rpc_timeout,
+                            host=self.host, port=0, heartbeat_interval=self.heartbeat)
+        self.agent = Agent("driver", 0, key, world_size=None, options=opts)
+        self.agent.start(None, self.timeout)
+        set_default_agent(self.agent)
+        self._key = key
+        if self._profile_dir is None:
+            self._profile_dir = tempfile.mkdtemp(prefix="nbrpc-cluster-")
+            self._own_profile = True
+        self._loop = _Loop()
+        engines: Any = self.launcher
+        if self.launcher == "fork":
+            from .launcher import ForkEngineSetLauncher
+            from .zygote import Zygote
+
+            self._zygote = Zygote()
+            self._zygote.start()
+            engines = ForkEngineSetLauncher
+        elif self.launcher == "local":
+            engines = "local"
+        period_ms = max(100, int(self.heartbeat * 1000))
+        controller_args = [f"--HeartMonitor.period={period_ms}",
+                           "--HeartMonitor.max_heartmonitor_misses=4",
+                           "--IPController.use_threads=True"]
+        kwargs: dict[str, Any] = dict(
+            engines=engines, profile_dir=self._profile_dir, delay=0, log=log,
+            controller_args=controller_args, engine_timeout=int(self.timeout))
+        if self._local:
+            kwargs["controller"] = GuardedControllerLauncher
+        if self.controller_ip:
+            kwargs["controller_ip"] = self.controller_ip
+        self._ipp = ipp.Cluster(**kwargs)
+        if self._zygote is not None:
+            ZYGOTES[self._ipp.cluster_id] = self._zygote
+        self._loop.run(self._ipp.start_controller, timeout=self.timeout)
+        self._controller_proc = getattr(self._ipp.controller, "process", None)
+        progress.update(0, "controller started")
+        if self._zygote is not None:
+            self._zygote.wait_ready(self.timeout)
+            progress.update(0, "engine zygote warm (torch imported)")
+
+    def _engine_kwargs(self, w: _Worker) -> dict[str, Any]:
+        kwargs = {k: v for k, v in self.launcher_options.items()}
+        env = dict(kwargs.pop("environment", {}))
+        env.update({engine_side.WORKER_ENV: w.name, "OMP_WAIT_POLICY": "PASSIVE"})
+        args = list(kwargs.pop("engine_args", []))
+        args += [f"--IPEngine.id={w.rank}", "--IPEngine.enable_nanny=False",
+                 "--IPEngine.max_heartbeat_misses=10"]
+        kwargs.update(environment=env, engine_args=args)
+        if self._local:
+            kwargs.setdefault("stop_seconds_until_kill", 2)
+            kwargs.setdefault("stop_timeout", 5)
+        return kwargs
+
+    def _launch(self, ranks: list[tuple[str, int]]) -> None:
+        assert self._loop is not None
+        for name, rank in ranks:
+            w = self.workers.get(name) or _Worker(name, rank)
+            self.workers[name] = w
+            w.engine_set, w.engine_id, w.agent_call, w.exited = name, None, None, False
+            w.launched = time.monotonic()
+            self._loop.run(self._ipp.start_engines, 1, name, timeout=self.timeout,
+                           **self._engine_kwargs(w))
+            es = self._ipp.engines[name]
+            es.on_stop(lambda data, w=w, es=es: self._engine_set_stopped(w, es, data))
+            for launcher in getattr(es, "launchers", {}).values():
+                if getattr(launcher, "process", None) is not None:
+                    w.procs.append(launcher.process)
+
+    def _engine_set_stopped(self, w: _Worker, es: Any, data: Any) -> None:
+        """An engine process exited (on the loop thread): tell the group at once."""
+        if self._ipp is None or self._ipp.engines.get(w.engine_set) is not es:
+            return  # an older engine set of a restarted worker
+        w.exited = True
+        if self.agent is not None and self.state in ("running", "starting"):
+            log.warning("nbrpc cluster: the engine of %r exited (%s)", w.name, data)
+            self.agent.expel(w.rank, dead=True, why="died (its engine process exited)")
+
+    def _connect(self) -> Any:
+        if self.client is None:
+            assert self._loop is not None
+            self.client = self._loop.run(self._ipp.connect_client, timeout=self.timeout)
+        return self.client
+
+    def _wait_ready(self, names: list[str], progress: Progress) -> None:
+        """Start an agent on each engine as it registers; return when all have joined."""
+        client = self._connect()
+        assert self.agent is not None
+        pending = set(names)
+        deadline = time.monotonic() + self.timeout
+        ranks = {w.name: w.rank for w in self.workers.values()}
+        options = {"num_worker_threads": self.threads, "rpc_timeout": self.rpc_timeout,
+                   "heartbeat_interval": self.heartbeat}
+        while pending:
+            self._assign_engines(client, pending)
+            for name in sorted(pending):
+                w = self.workers[name]
+                if w.engine_id is not None and w.agent_call is None:
+                    w.agent_call = client[w.engine_id].apply_async(
+                        engine_side.start_agent, ranks, name, self.agent.address, self._key,
+                        options)
+                if w.agent_call is not None and w.agent_call.ready():
+                    info = w.agent_call.get(0)  # raises the engine's error, if any
+                    w.pid, w.host = info["pid"], info["host"]
+                if w.exited:
+                    raise ClusterError(f"the engine of {name!r} exited during start-up:\n"
+                                       f"{self._engine_output(name)}")
+                if w.pid is not None and self.agent.is_member(w.rank):
+                    pending.discard(name)
+                    progress.update(1, f"{name} ready")
+            if time.monotonic() > deadline:
+                raise ClusterError(
+                    f"{sorted(pending)} not ready within {self.timeout:g} s (engines registered: "
+                    f"{sorted(client.ids)}); raise timeout=..., or look at the engines' output:\n"
+                    + "\n".join(self._engine_output(n) for n in sorted(pending)))
+            time.sleep(0.01)
+
+    def _assign_engines(self, client: Any, pending: set[str]) -> None:
+        """Match newly registered ipyparallel engines to workers (engine id = rank,
+        as requested with --IPEngine.id; the engine confirms through $NBRPC_WORKER)."""
+        taken = {w.engine_id for w in self.workers.values() if w.engine_id is not None}
+        free = [i for i in client.ids if i not in taken]
+        by_rank = {w.rank: w for w in self.workers.values() if w.name in pending}
+        waiting = sorted((w for w in by_rank.values() if w.engine_id is None),
+                         key=lambda w: w.rank)
+        for eid in free:
+            w = by_rank.get(eid)
+            if w is None or w.engine_id is not None:
+                w = waiting[0] if waiting else None
+            if w is None:
+                break
+            w.engine_id = eid
+            if w in waiting:
+                waiting.remove(w)
+
+    def _engine_output(self, name: str) -> str:
+        try:
+            es = self._ipp.engines.get(name) if self._ipp else None
+            text = es.get_output() if es is not None else ""
+        except Exception as e:  # noqa: BLE001 - diagnostics only
+            text = f"(output unavailable: {e})"
+        return f"--- {name} ---\n{text[-3000:] or '(no output)'}"
+
+    def add(self, n: int) -> list[str]:
+        """Start ``n`` more workers (ranks after the highest); returns their names."""
+        n = _check_count(n, "add")
+        with self._lock:
+            self._require_running("add")
+            top = max((w.rank for w in self.workers.values()), default=0)
+            new = [(f"worker{r}", r) for r in range(top + 1, top + n + 1)]
+            progress = make_progress(n, self.progress, "adding nbrpc workers")
+            try:
+                self._launch(new)
+                self._wait_ready([name for name, _ in new], progress)
+            finally:
+                progress.close()
+            return [name for name, _ in new]
+
+    def remove(self, name: str) -> None:
+        """Stop worker ``name`` for good; the group is told it left."""
+        with self._lock:
+            self._require_running("remove")
+            w = self._worker(name)
+            assert self.agent is not None
+            self.agent.expel(w.rank, dead=False, why="was removed from the cluster")
+            self._stop_engine_set(w)
+            del self.workers[name]
+
+    def restart(self, name: str | None = None) -> None:
+        """Restart one worker under the same name and rank (its RRefs are lost;
+        calls in flight to it fail), or, with no name, the whole cluster."""
+        if name is None:
+            n = len(self.workers)
+            self.stop()
+            self.start(n)
+            return
+        with self._lock:
+            self._require_running("restart")
+            w = self._worker(name)
+            assert self.agent is not None
+            self.agent.expel(w.rank, dead=True, why="was restarted")
+            self._stop_engine_set(w)
+            w.pid = w.host = None
+            progress = make_progress(1, self.progress, f"restarting {name}")
+            try:
+                self._launch([(name, w.rank)])
+                self._wait_ready([name], progress)
+            finally:
+                progress.close()
+
+    def _stop_engine_set(self, w: _Worker) -> None:
+        assert self._loop is not None
+        if w.engine_id is not None and self.client is not None:
+            try:  # frees the engine id at the controller at once
+                self.client.shutdown(targets=[w.engine_id], block=False)
+            except Exception as e:  # noqa: BLE001 - it may be dead already
+                log.debug("ipyparallel shutdown of %s: %s", w.name, e)
+        if w.engine_set in self._ipp.engines:
+            try:
+                self._loop.run(self._ipp.stop_engines, w.engine_set, timeout=10)
+            except Exception as e:  # noqa: BLE001 - force below
+                log.warning("stopping the engine of %r: %s", w.name, e)
+        _kill(w.procs)
+        w.procs.clear()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Stop everything this cluster started. Bounded: past ``timeout`` what is
+        left is killed. Calls in flight fail; stopping twice does nothing."""
+        with self._lock:
+            if self.state == "stopped":
+                return
+            self.state = "stopping"
+            deadline = time.monotonic() + timeout
+            steps: list[tuple[str, Callable[[], None]]] = [
+                ("engines", lambda: self._loop and self._ipp and self._loop.run(
+                    self._ipp.stop_engines, timeout=_left(deadline))),
+                ("controller", lambda: self._loop and self._ipp and self._loop.run(
+                    self._ipp.stop_controller, timeout=_left(deadline))),
+                ("client", lambda: self.client and self.client.close()),
+                ("driver agent", lambda: self.agent and self.agent.shutdown(graceful=False)),
+                ("zygote", lambda: self._zygote and self._zygote.close(min(3.0, _left(deadline)))),
+            ]
+            for what, step in steps:
+                try:
+                    step()
+                except Exception as e:  # noqa: BLE001 - keep going: stop never wedges
+                    log.warning("nbrpc cluster stop: %s: %s", what, e)
+            procs = [p for w in self.workers.values() for p in w.procs]
+            if self._controller_proc is not None:
+                procs.append(self._controller_proc)
+            _kill(procs)
+            self._forget_ipp()
+            if self._loop is not None:
+                self._loop.stop()
+            if _Default.agent is self.agent:
+                set_default_agent(None)
+            if self._own_profile and self._profile_dir:
+                shutil.rmtree(self._profile_dir, ignore_errors=True)
+                self._profile_dir, self._own_profile = None, False
+            self.workers.clear()
+            self.agent = self.client = self._ipp = self._loop = self._zygote = None
+            self._controller_proc = None
+            self.state = "stopped"
+
+    def _forget_ipp(self) -> None:
+        from ipyparallel.cluster import cluster as ipp_cluster
+
+        from .launcher import ZYGOTES
+
+        if self._ipp is not None:
+            ipp_cluster._atexit_clusters.discard(self._ipp)
+            ZYGOTES.pop(self._ipp.cluster_id, None)
+            try:
+                self._ipp.remove_cluster_file()
+            except OSError:
+                pass
+
+    # -- introspection -----------------------------------------------------------
+    def status(self, probe_timeout: float = 1.0) -> ClusterStatus:
+        """Each worker's state (starting / ready / busy / dead), pid, host, threads in
+        use, in-flight calls and owned RRefs, probed through the agents."""
+        rows: list[WorkerStatus] = []
+        agent = self.agent
+        if agent is not None and self.state == "running":
+            rows.append(_driver_row(agent))
+            futs = {}
+            for w in sorted(self.workers.values(), key=lambda w: w.rank):
+                if agent.is_member(w.rank):
+                    futs[w.name] = agent.rpc_async(w.name, engine_side.probe, (), None,
+                                                   probe_timeout)
+            for w in sorted(self.workers.values(), key=lambda w: w.rank):
+                rows.append(self._row(w, agent, futs.get(w.name)))
+        return ClusterStatus(self.launcher_name, self.state, rows)
+
+    def _row(self, w: _Worker, agent: Agent, fut: Any) -> WorkerStatus:
+        row = WorkerStatus(w.name, w.rank, host=w.host, pid=w.pid, threads=self.threads)
+        gone = agent.gone_why(w.rank)
+        if fut is None:
+            row.state = "dead" if (gone or w.exited) else "starting"
+            row.detail = gone or ""
+            return row
+        try:
+            info = fut.wait()
+        except Exception as e:  # noqa: BLE001 - shown in the status
+            row.state = "dead" if agent.gone_why(w.rank) else "busy"
+            row.detail = f"{type(e).__name__}: {e}"
+            return row
+        row.state = "busy" if info["busy_threads"] or info["in_flight"] else "ready"
+        row.busy_threads, row.in_flight = info["busy_threads"], info["in_flight"]
+        row.owned_rrefs, row.threads = info["owned_rrefs"], info["threads"]
+        return row
+
+    def view(self, name: str) -> Any:
+        """ipyparallel's DirectView on worker ``name``'s engine (for ``%px``-style use)."""
+        w = self._worker(name)
+        if w.engine_id is None or self.client is None:
+            raise ClusterError(f"{name!r} has no engine yet (state: {self.state})")
+        return self.client[w.engine_id]
+
+    def _worker(self, name: str) -> _Worker:
+        if not isinstance(name, str) or name not in self.workers:
+            raise ClusterError(f"no worker named {name!r}; the cluster has "
+                               f"{self.names or 'no workers'}")
+        return self.workers[name]
+
+    def _require_running(self, what: str) -> None:
+        if self.state != "running":
+            raise ClusterError(f"cannot {what}: the cluster is {self.state}; start(n) it first")
+
+    def __enter__(self) -> Cluster:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+    def __repr__(self) -> str:
+        return (f"<nbrpc Cluster {self.state}, {len(self.workers)} workers, "
+                f"launcher={self.launcher_name}>")
+
+    def __del__(self) -> None:
+        if getattr(self, "state", "stopped") != "stopped":
+            try:
+                self.stop(timeout=3)
+            except Exception:  # noqa: BLE001 - interpreter shutdown
+                pass
+
+
+def _driver_row(agent: Agent) -> WorkerStatus:
+    snap = agent.snapshot(events=0)
+    c = snap["counters"]
+    return WorkerStatus(
+        "driver", 0, host=socket.gethostname(), pid=os.getpid(), state="ready",
+        threads=c["threads"], busy_threads=c["busy_threads"], in_flight=c["in_flight"],
+        owned_rrefs=len(snap.get("rrefs", {}).get("owned", [])))
+
+
+def _check_count(n: Any, what: str) -> int:
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"{what} needs a number of workers >= 1, got {n!r}")
+    return n
+
+
+def _left(deadline: float) -> float:
+    return max(0.5, deadline - time.monotonic())
+
+
+def _kill(procs: list[Any]) -> None:
+    """SIGKILL the processes we started that are still alive. ``psutil.Process``
+    checks the creation time too, so a recycled pid is never hit."""
+    import psutil
+
+    for p in procs:
+        try:
+            if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
+                p.send_signal(signal.SIGKILL)
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            pass
+
+
+def _routable_ip() -> str:
+    """This host's address that other hosts can reach (for non-local launchers)."""
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect(("10.255.255.255", 9))  # no packet is sent
+            return s.getsockname()[0]
+    except OSError:
+        return socket.gethostbyname(socket.gethostname())
+

@@ -1,0 +1,89 @@
+"""What runs inside an engine: its agent, started by the driver through ipyparallel.
+
+The driver calls :func:`start_agent` on each engine once it has registered
+(``client[id].apply``), passing the group key and the driver's address: they
+travel in ipyparallel's signed messages, never through files. The agent runs
+in background threads, so the engine's own execution stays free for ``%px``
+and ``%%rpc_on``. If the driver disappears (its kernel killed), the engine
+exits by itself within a few seconds.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+from typing import Any
+from urllib.parse import urlparse
+
+from ..agent import Agent, AgentOptions, set_default_agent
+from ..agent.agent import _Default
+from ..rpc.rendezvous import _local_ip_towards
+
+log = logging.getLogger(__name__)
+
+WORKER_ENV = "NBRPC_WORKER"  # set per engine set: which worker this engine is
+_agent: list[Agent] = []  # this engine's agent (at most one)
+
+
+def start_agent(names: dict[str, int], fallback: str, coordinator: str, key: bytes,
+                options: dict[str, Any]) -> dict[str, Any]:
+    """Start this engine's agent and send its Join (returns at once).
+
+    The engine is the worker its launcher named in ``$NBRPC_WORKER`` (one of
+    ``names``), else ``fallback``. Returns what the driver's status shows.
+    """
+    name = os.environ.get(WORKER_ENV)
+    if name not in names:
+        name = fallback
+    rank = names[name]
+    if _agent and _agent[0].state not in ("stopped", "failed"):
+        _agent[0].shutdown(graceful=False)
+    _agent.clear()
+    if _Default.agent is not None:  # e.g. a user's own init_rpc on this engine
+        _Default.agent.shutdown(graceful=False)
+    host = urlparse(coordinator).hostname or "127.0.0.1"
+    opts = AgentOptions(**{**options, "host": _local_ip_towards(socket.gethostbyname(host)),
+                           "port": 0})
+    agent = Agent(name, rank, key, world_size=None, options=opts)
+    agent.begin(coordinator)
+    set_default_agent(agent)
+    _agent.append(agent)
+    threading.Thread(target=_exit_without_driver, args=(agent,), daemon=True,
+                     name="nbrpc-driver-watch").start()
+    return {"name": name, "rank": rank, "pid": os.getpid(), "host": socket.gethostname(),
+            "address": agent.address}
+
+
+def _exit_without_driver(agent: Agent, period: float = 0.2) -> None:
+    """End the engine once the driver has gone (declared dead, or left): an
+    engine without its driver is an orphan."""
+    while agent.state not in ("stopped",):
+        if agent.state in ("ready", "failed") and agent.gone_why(0) is not None:
+            log.warning("nbrpc: the driver %s; engine %r exits", agent.gone_why(0), agent.name)
+            agent.shutdown(graceful=False)
+            os._exit(0)
+        time.sleep(period)
+
+
+def probe() -> dict[str, Any]:
+    """This worker's state for the driver's status view (runs on the agent's pool)."""
+    agent = _agent[0] if _agent else _Default.agent
+    snap = agent.snapshot(events=0) if agent else {}
+    counters = snap.get("counters", {})
+    rrefs = snap.get("rrefs", {})
+    return {
+        "pid": os.getpid(),
+        "host": socket.gethostname(),
+        "threads": counters.get("threads", 0),
+        "busy_threads": max(0, counters.get("busy_threads", 0) - 1),  # minus this probe
+        "in_flight": counters.get("in_flight", 0),
+        "owned_rrefs": _count_owned(rrefs),
+    }
+
+
+def _count_owned(rrefs: Any) -> int:
+    owners = rrefs.get("owned") if isinstance(rrefs, dict) else None
+    return len(owners) if owners is not None else 0

@@ -1,0 +1,45 @@
+"""Run a Python module that must not outlive the process that started it.
+
+``python -m nbrpc.cluster.guard MODULE ARGS...`` runs ``python -m MODULE ARGS...``
+in this interpreter, with a daemon thread that ends the process as soon as
+its parent is gone (it is re-parented: ``os.getppid()`` changes). The
+cluster starts ipyparallel's controller this way, so that a kernel killed
+with SIGKILL leaves no controller behind.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import runpy
+import sys
+import threading
+import time
+
+log = logging.getLogger(__name__)
+
+
+def watch_parent(parent: int, period: float = 0.25) -> threading.Thread:
+    """Exit this process (code 3) within ``period`` seconds of ``parent`` dying."""
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(period)
+        log.warning("parent process %d is gone; exiting", parent)
+        os._exit(3)
+
+    t = threading.Thread(target=watch, name="nbrpc-parent-watch", daemon=True)
+    t.start()
+    return t
+
+
+def main(argv: list[str]) -> None:
+    if not argv:
+        raise SystemExit("usage: python -m nbrpc.cluster.guard MODULE [ARGS...]")
+    watch_parent(os.getppid())
+    sys.argv = [argv[0], *argv[1:]]
+    runpy.run_module(argv[0], run_name="__main__", alter_sys=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

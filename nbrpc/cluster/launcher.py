@@ -1,0 +1,68 @@
+"""ipyparallel launchers for nbrpc clusters.
+
+* :class:`ForkEngineSetLauncher` (``launcher="fork"``, the default): engines
+  are forked by the cluster's warm :mod:`~nbrpc.cluster.zygote`, which has
+  already imported torch. Everything else (output files, stop with TERM then
+  KILL, exit notification) is ipyparallel's ``LocalEngineSetLauncher``.
+* :class:`GuardedControllerLauncher`: ipyparallel's local controller, run
+  under :mod:`~nbrpc.cluster.guard` so that it exits when the kernel dies.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import psutil
+from ipyparallel.cluster.launcher import (
+    LocalControllerLauncher,
+    LocalEngineLauncher,
+    LocalEngineSetLauncher,
+    ProcessStateError,
+)
+from traitlets import List, Unicode
+
+from .zygote import Zygote
+
+#: zygotes by ipyparallel cluster id (set by nbrpc.cluster.Cluster)
+ZYGOTES: dict[str, Zygote] = {}
+
+
+class GuardedControllerLauncher(LocalControllerLauncher):
+    """ipyparallel's local controller, exiting when the process that started it dies."""
+
+    controller_cmd = List([sys.executable, "-m", "nbrpc.cluster.guard", "ipyparallel.controller"],
+                          config=True)
+
+
+class ForkEngineLauncher(LocalEngineLauncher):
+    """One engine, forked by the cluster's zygote instead of started fresh."""
+
+    zygote_id = Unicode("")
+
+    def start(self) -> None:
+        if self.state != "before":
+            raise ProcessStateError(f"the engine was already started: {self.state}")
+        zygote = ZYGOTES.get(self.zygote_id or self.cluster_id)
+        if zygote is None:
+            raise RuntimeError(f"no engine zygote for cluster {self.cluster_id!r}; "
+                               "ForkEngineSetLauncher works only inside an nbrpc Cluster")
+        self.pid = zygote.spawn(list(self.args), env=self.get_env(), cwd=self.work_dir,
+                                output=self.output_file)
+        self.process = psutil.Process(self.pid)
+        self.notify_start(self.pid)
+        self._start_waiting()
+
+    def _log_output(self, stop_data: dict | None = None) -> None:
+        # A forked engine's exit code is its zygote's to know (None here), so
+        # ipyparallel would log every exit as a failure. The cluster reports
+        # unexpected exits itself, with this output.
+        output = self.get_output(remove=False)
+        if output:
+            self.log.debug("Output for %s:\n%s", self.identifier, output[-5000:])
+
+
+class ForkEngineSetLauncher(LocalEngineSetLauncher):
+    """ipyparallel's local engine set, each engine forked by the warm zygote."""
+
+    launcher_class = ForkEngineLauncher
+    engine_cmd = List([sys.executable, "-m", "ipyparallel.engine"], config=True)

@@ -1,0 +1,105 @@
+"""The cluster's status as plain data, with a deterministic text view and an HTML one.
+
+``text/plain`` shows only what does not vary between runs of the same
+notebook (names, ranks, states, counts), so nbval can compare it; the HTML
+view adds hosts, pids, threads in use, in-flight calls and owned RRefs.
+"""
+
+from __future__ import annotations
+
+import html
+from dataclasses import asdict, dataclass
+from typing import Any
+
+STATES = ("starting", "ready", "busy", "dead")
+
+
+@dataclass
+class WorkerStatus:
+    """One row of :class:`ClusterStatus`."""
+
+    name: str
+    rank: int
+    host: str | None = None
+    pid: int | None = None
+    state: str = "starting"
+    threads: int = 0
+    busy_threads: int = 0
+    in_flight: int = 0
+    owned_rrefs: int = 0
+    detail: str = ""
+
+
+@dataclass
+class ClusterStatus:
+    """The driver and every worker, by rank.
+
+    >>> s = ClusterStatus("fork", "running", [WorkerStatus("driver", 0, state="ready"),
+    ...                                       WorkerStatus("worker1", 1, state="dead")])
+    >>> print(s)
+    nbrpc cluster (fork launcher): 1 worker, 1 dead
+      rank  name     state
+      0     driver   ready
+      1     worker1  dead
+    >>> s["worker1"].state, s.count("dead")
+    ('dead', 1)
+    """
+
+    launcher: str
+    state: str
+    workers: list[WorkerStatus]
+
+    def __getitem__(self, name: str) -> WorkerStatus:
+        for w in self.workers:
+            if w.name == name:
+                return w
+        raise KeyError(f"no worker named {name!r} in this status; "
+                       f"it has {[w.name for w in self.workers]}")
+
+    def count(self, state: str) -> int:
+        return sum(w.state == state for w in self.workers if w.rank != 0)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"launcher": self.launcher, "state": self.state,
+                "workers": [asdict(w) for w in self.workers]}
+
+    def summary(self) -> str:
+        if self.state != "running":
+            return f"nbrpc cluster (no workers): {self.state}"
+        n = sum(w.rank != 0 for w in self.workers)
+        counts = [f"{self.count(s)} {s}" for s in STATES if self.count(s)]
+        noun = "worker" if n == 1 else "workers"
+        if counts == [f"{n} ready"]:
+            return f"nbrpc cluster ({self.launcher} launcher): {n} {noun} ready"
+        return f"nbrpc cluster ({self.launcher} launcher): {n} {noun}, " + ", ".join(counts)
+
+    def __str__(self) -> str:
+        lines = [self.summary()]
+        if self.workers:
+            width = max(len("name"), *(len(w.name) for w in self.workers))
+            lines.append(f"  rank  {'name':<{width}}  state")
+            lines += [f"  {w.rank:<4}  {w.name:<{width}}  {w.state}" for w in self.workers]
+        return "\n".join(lines)
+
+    __repr__ = __str__
+
+    def _repr_pretty_(self, p: Any, cycle: bool) -> None:
+        p.text(str(self))
+
+    def _repr_html_(self) -> str:
+        head = ("name", "rank", "host", "pid", "state", "threads in use", "in flight",
+                "owned RRefs")
+        colour = {"ready": "#2e7d32", "busy": "#ef6c00", "starting": "#1565c0",
+                  "dead": "#c62828"}
+        rows = []
+        for w in self.workers:
+            cells = [w.name, w.rank, w.host or "", w.pid or "",
+                     f'<b style="color:{colour.get(w.state, "#000")}">{w.state}</b>',
+                     f"{w.busy_threads}/{w.threads}", w.in_flight, w.owned_rrefs]
+            title = f' title="{html.escape(w.detail)}"' if w.detail else ""
+            rows.append(f"<tr{title}>" + "".join(
+                f"<td>{c if i == 4 else html.escape(str(c))}</td>" for i, c in enumerate(cells))
+                + "</tr>")
+        return (f"<div><b>{html.escape(self.summary())}</b>"
+                "<table><thead><tr>" + "".join(f"<th>{h}</th>" for h in head)
+                + "</tr></thead><tbody>" + "".join(rows) + "</tbody></table></div>")
