@@ -10,3 +10,17 @@ __version__ = "0.1.0"
 # imported here so that an agent made through any entry point has them all.
 from . import autograd as _autograd  # noqa: E402,F401
 from . import rref as _rref  # noqa: E402,F401
+
+
+def load_ipython_extension(ip):  # noqa: ANN001,ANN201 - IPython's hook
+    """``%load_ext nbrpc``: registers ``%rpc_cluster`` and ``%%rpc_on``."""
+    from .jupyter.magics import load
+
+    load(ip)
+
+
+def unload_ipython_extension(ip):  # noqa: ANN001,ANN201 - IPython's hook
+    """``%unload_ext nbrpc``: stops the kernel's cluster, if one runs."""
+    from .jupyter.magics import unload
+
+    unload(ip)

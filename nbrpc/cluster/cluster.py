@@ -54,6 +54,7 @@ class _Worker:
     rank: int
     engine_set: str = ""
     engine_id: int | None = None
+    engine_ident: Any = None  # the engine's registration identity (ids can be reused)
     pid: int | None = None
     host: str | None = None
     procs: list[Any] = field(default_factory=list)  # psutil.Process of each engine launched
@@ -174,6 +175,7 @@ class Cluster:
         self._loop: _Loop | None = None
         self._zygote: Any = None
         self._controller_proc: Any = None
+        self._used: set[Any] = set()  # identities of every engine ever given a worker
         self._lock = threading.RLock()
         self.start_seconds: float | None = None
 
@@ -288,6 +290,7 @@ class Cluster:
             w = self.workers.get(name) or _Worker(name, rank)
             self.workers[name] = w
             w.engine_set, w.engine_id, w.agent_call, w.exited = name, None, None, False
+            w.engine_ident = None
             w.launched = time.monotonic()
             self._loop.run(self._ipp.start_engines, 1, name, timeout=self.timeout,
                            **self._engine_kwargs(w))
@@ -347,19 +350,24 @@ class Cluster:
 
     def _assign_engines(self, client: Any, pending: set[str]) -> None:
         """Match newly registered ipyparallel engines to workers (engine id = rank,
-        as requested with --IPEngine.id; the engine confirms through $NBRPC_WORKER)."""
-        taken = {w.engine_id for w in self.workers.values() if w.engine_id is not None}
-        free = [i for i in client.ids if i not in taken]
+        as requested with --IPEngine.id; else the lowest waiting rank). Engines are
+        told apart by their registration identity, so the old engine of a restarted
+        worker, still listed under the same id while it goes, is never taken."""
+        engines = getattr(client, "_engines", {})
         by_rank = {w.rank: w for w in self.workers.values() if w.name in pending}
         waiting = sorted((w for w in by_rank.values() if w.engine_id is None),
                          key=lambda w: w.rank)
-        for eid in free:
+        for eid in sorted(client.ids):
+            ident = engines.get(eid, eid)
+            if ident in self._used:
+                continue
             w = by_rank.get(eid)
             if w is None or w.engine_id is not None:
                 w = waiting[0] if waiting else None
             if w is None:
                 break
-            w.engine_id = eid
+            w.engine_id, w.engine_ident = eid, ident
+            self._used.add(ident)
             if w in waiting:
                 waiting.remove(w)
 
@@ -468,6 +476,7 @@ class Cluster:
                 shutil.rmtree(self._profile_dir, ignore_errors=True)
                 self._profile_dir, self._own_profile = None, False
             self.workers.clear()
+            self._used.clear()
             self.agent = self.client = self._ipp = self._loop = self._zygote = None
             self._controller_proc = None
             self.state = "stopped"

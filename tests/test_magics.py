@@ -1,0 +1,147 @@
+"""``%rpc_cluster`` and ``%%rpc_on`` through an in-process IPython shell.
+
+Usage errors need no cluster; the last tests start a real one (marked ``cluster``).
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator
+
+import pytest
+from IPython.core.error import UsageError
+
+from nbrpc.cluster import ClusterStatus
+from nbrpc.jupyter.magics import _launcher_options
+
+
+@pytest.fixture
+def shell() -> Iterator:
+    from IPython.core.interactiveshell import InteractiveShell
+
+    saved_main = sys.modules["__main__"]
+    ip = InteractiveShell.instance()
+    ip.run_line_magic("load_ext", "nbrpc")
+    try:
+        yield ip
+    finally:
+        magics = ip.magics_manager.registry.get("ClusterMagics")
+        if magics is not None and magics.cluster is not None:
+            magics.cluster.stop()
+        InteractiveShell.clear_instance()
+        sys.modules["__main__"] = saved_main
+
+
+@pytest.mark.parametrize("line, message", [
+    ("start", "the following arguments are required: n"),
+    ("start x", "expected a whole number, got 'x'"),
+    ("start 0", "expected a number >= 1, got 0"),
+    ("start 2 --timeout -1", "expected seconds > 0"),
+    ("start 2 --bogus", "launcher options are written --trait=value"),
+    ("launch 2", "invalid choice: 'launch'"),
+    ("stop now", "unrecognized arguments"),
+    ("remove", "the following arguments are required: name"),
+    ("add two", "expected a whole number"),
+])
+def test_wrong_usage_raises_usage_error_with_the_fix(shell, line: str, message: str) -> None:
+    with pytest.raises(UsageError) as e:
+        shell.run_line_magic("rpc_cluster", line)
+    text = str(e.value)
+    assert message in text
+    assert "usage: %rpc_cluster" in text or "--trait=value" in text or "see: %rpc_cluster" in text
+
+
+@pytest.mark.parametrize("line", ["restart worker1", "add 1", "remove worker1"])
+def test_commands_that_need_a_cluster_say_how_to_start_one(shell, line: str) -> None:
+    with pytest.raises(UsageError, match="start one with %rpc_cluster start N"):
+        shell.run_line_magic("rpc_cluster", line)
+
+
+def test_stop_without_a_cluster_says_so(shell) -> None:
+    with pytest.raises(UsageError, match="nothing to stop"):
+        shell.run_line_magic("rpc_cluster", "stop")
+
+
+def test_rpc_on_without_a_cluster(shell) -> None:
+    with pytest.raises(UsageError, match="nothing to run a cell on"):
+        shell.run_cell_magic("rpc_on", "worker1", "print(1)")
+    with pytest.raises(UsageError, match="the following arguments are required: workers"):
+        shell.run_cell_magic("rpc_on", "", "print(1)")
+
+
+def test_status_without_a_cluster(shell) -> None:
+    status = shell.run_line_magic("rpc_cluster", "")
+    assert isinstance(status, ClusterStatus) and str(status) == "nbrpc cluster (no workers): stopped"
+
+
+def test_help_for_the_magic_and_each_subcommand(shell, capsys) -> None:
+    assert shell.run_line_magic("rpc_cluster", "--help") is None
+    out = capsys.readouterr().out
+    assert "usage: %rpc_cluster" in out and "restart" in out and "remove" in out
+    shell.run_line_magic("rpc_cluster", "start --help")
+    out = capsys.readouterr().out
+    assert "--launcher" in out and "--threads" in out and "--timeout" in out
+    shell.run_cell_magic("rpc_on", "--help", "pass")
+    assert "sorted by rank" in capsys.readouterr().out
+
+
+def test_launcher_options_are_python_literals_or_strings() -> None:
+    assert _launcher_options(["--account=abc", "--engines={'h1': 2}", "--SlurmEngineSetLauncher.timelimit=1:00:00",
+                              "--n=3"]) == {"account": "abc", "engines": {"h1": 2},
+                                            "timelimit": "1:00:00", "n": 3}
+    with pytest.raises(UsageError, match="--trait=value"):
+        _launcher_options(["positional"])
+
+
+@pytest.mark.cluster
+def test_a_session_of_magics_on_a_real_cluster(shell, capsys) -> None:
+    status = shell.run_line_magic("rpc_cluster", "start 2 --threads 4")
+    assert str(status).splitlines() == [
+        "nbrpc cluster (fork launcher): 2 workers ready",
+        "  rank  name     state",
+        "  0     driver   ready",
+        "  1     worker1  ready",
+        "  2     worker2  ready",
+    ]
+    assert "<table>" in status._repr_html_() and str(status["worker1"].pid) in status._repr_html_()
+    with pytest.raises(UsageError, match="already running"):
+        shell.run_line_magic("rpc_cluster", "start 1")
+
+    # code defined in the shell's __main__ runs remotely (pickled by value)
+    shell.run_cell("from nbrpc import rpc\n"
+                   "class Counter:\n"
+                   "    def __init__(self): self.n = 0\n"
+                   "    def bump(self, k): self.n += k; return self.n\n"
+                   "def square(x): return x * x\n", store_history=False)
+    r = shell.run_cell("c = rpc.remote('worker1', Counter)\n"
+                       "(rpc.rpc_sync('worker2', square, args=(7,)), c.rpc_sync().bump(2),"
+                       " c.rpc_sync().bump(3))")
+    assert r.result == (49, 2, 5)
+    capsys.readouterr()
+
+    shell.run_cell_magic("rpc_on", "worker2 worker1",
+                         "from nbrpc import rpc\nprint('hello from', rpc.get_worker_info().name)")
+    out = capsys.readouterr().out
+    assert out.index("[worker1]\nhello from worker1") < out.index("[worker2]\nhello from worker2")
+    shell.run_cell_magic("rpc_on", "all", "x_on_engine = 5")
+    shell.run_cell_magic("rpc_on", "worker2", "print(x_on_engine * 2)")
+    assert capsys.readouterr().out == "10\n"  # one worker: no header
+    with pytest.raises(RuntimeError, match="the cell failed on worker1") as e:
+        shell.run_cell_magic("rpc_on", "worker1", "1 / 0")
+    assert "ZeroDivisionError" in repr(e.value.__cause__)
+    with pytest.raises(UsageError, match="no worker named 'worker9'"):
+        shell.run_cell_magic("rpc_on", "worker9", "pass")
+
+    status = shell.run_line_magic("rpc_cluster", "add 1")
+    assert status["worker3"].state == "ready"
+    status = shell.run_line_magic("rpc_cluster", "remove worker3")
+    assert [w.name for w in status.workers] == ["driver", "worker1", "worker2"]
+    status = shell.run_line_magic("rpc_cluster", "restart worker2")
+    assert status["worker2"].state == "ready" and status["worker2"].rank == 2
+    assert shell.run_cell("rpc.rpc_sync('worker2', square, args=(3,))").result == 9
+
+    status = shell.run_line_magic("rpc_cluster", "stop")
+    assert str(status) == "nbrpc cluster (no workers): stopped"
+    status = shell.run_line_magic("rpc_cluster", "start 1")  # and again in the same shell
+    assert status.count("ready") == 1
+    shell.run_line_magic("rpc_cluster", "stop")
