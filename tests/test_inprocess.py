@@ -21,6 +21,7 @@ from nbrpc.errors import (
     SerializationError,
     ShutdownError,
     UnknownWorkerError,
+    WorkerGoneError,
 )
 from nbrpc.rpc.functions import async_execution
 
@@ -334,8 +335,8 @@ def test_dynamic_group_members_join_and_leave() -> None:
         assert late.state == "ready" and lead.is_member(2) and late.is_member(0)
         late.shutdown()
         assert poll_for(lambda: "w2" not in w1._by_name and "w2" not in lead._by_name)
-        with pytest.raises(UnknownWorkerError):
-            w1.rpc_async("w2", whoami)
+        with pytest.raises(WorkerGoneError, match="'w2' left the group"):
+            w1.rpc_async("w2", whoami)  # a former member: named, and why
 
 
 def test_large_tensors_travel_through_shared_memory_and_are_recycled(trio) -> None:

@@ -423,6 +423,9 @@ class Agent:
             raise TypeError(
                 f"a destination is a worker name, a rank or a WorkerInfo; got {type(to).__name__}")
         if m is None:
+            for rank, (name, why) in list(self._gone.items()):  # a former member
+                if to in (name, rank) or getattr(to, "name", None) == name:
+                    raise WorkerGoneError(name, why)
             raise UnknownWorkerError(to, self._by_name)
         return m
 

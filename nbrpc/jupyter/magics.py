@@ -160,8 +160,9 @@ class ClusterMagics(Magics):
                           rpc_timeout=args.rpc_timeout, host=args.host,
                           controller_ip=args.controller_ip)
         cluster.start(args.n)
-        self.cluster = cluster
-        self.shell.user_ns.setdefault("rpc_cluster", cluster)
+        old, self.cluster = self.cluster, cluster
+        if self.shell.user_ns.get("rpc_cluster") in (None, old):  # not the user's own
+            self.shell.user_ns["rpc_cluster"] = cluster
         return cluster.status()
 
     def _stop(self, args: argparse.Namespace, extra: list[str]) -> ClusterStatus:
