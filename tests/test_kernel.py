@@ -27,7 +27,11 @@ class Kernel:
     def run(self, code: str, timeout: float = 60.0) -> tuple[str, dict[str, Any]]:
         out: list[str] = []
 
+        self.displayed: list[str] = []
+
         def hook(msg: dict[str, Any]) -> None:
+            if msg["msg_type"] == "display_data":
+                self.displayed += list(msg["content"]["data"])
             if msg["msg_type"] == "stream":
                 out.append(msg["content"]["text"])
             elif msg["msg_type"] == "error":
@@ -83,8 +87,21 @@ def _alive(pid: int) -> bool:
 
 def test_interrupt_restart_and_start_again_in_one_kernel(kernel: Kernel) -> None:
     kernel.ok("%load_ext nbrpc")
+    # the interrupt button during a start: it stops cleanly, leaving nothing behind
+    before = {p.pid for p in psutil.Process(kernel.km.provisioner.process.pid).children(True)}
+    kernel.kc.execute("%rpc_cluster start 2")
+    time.sleep(1.0)
+    kernel.km.interrupt_kernel()
+    reply = kernel.kc.get_shell_msg(timeout=30)
+    assert reply["content"]["status"] == "error", reply["content"]
+    assert reply["content"]["ename"] == "KeyboardInterrupt"
+    assert "stopped" in kernel.ok("s = %rpc_cluster status\nprint(s)")
+    kids = psutil.Process(kernel.km.provisioner.process.pid).children(True)
+    assert _gone([p.pid for p in kids if p.pid not in before], 10) == []
+
     out = kernel.ok("s = %rpc_cluster start 2\nprint(s)")
     assert "2 workers ready" in out
+    assert "application/vnd.jupyter.widget-view+json" in kernel.displayed  # the progress bar
     kernel.ok("from nbrpc import rpc\nimport time\n"
               "def where(): return rpc.get_worker_info().name")
     assert kernel.ok("print(rpc.rpc_sync('worker2', where))").strip() == "worker2"
