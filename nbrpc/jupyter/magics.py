@@ -238,6 +238,8 @@ def _wait_all(results: list[Any], timeout: float | None) -> None:
                                "its runs go on (interrupt them with ipyparallel's abort)")
         for ar in results:
             ar.wait(0.05)
+    for ar in results:  # "ready" is the reply; the output streams may still be on the way
+        ar.wait_for_output(timeout=5.0 if timeout is None else max(1.0, timeout))
 
 
 def _show_output(name: str, ar: Any, several: bool) -> None:
