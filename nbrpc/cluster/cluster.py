@@ -257,10 +257,10 @@ class Cluster:
         kwargs: dict[str, Any] = dict(
             engines=engines, profile_dir=self._profile_dir, delay=0, log=log,
             controller_args=controller_args, engine_timeout=int(self.timeout))
-        if self._local:
-            kwargs["controller"] = GuardedControllerLauncher
-        if self.controller_ip:
-            kwargs["controller_ip"] = self.controller_ip
+        kwargs["controller"] = GuardedControllerLauncher  # the controller always runs here
+        controller_ip = self.controller_ip or (None if self._local else self.host)
+        if controller_ip:  # remote engines must reach it: not loopback
+            kwargs["controller_ip"] = controller_ip
         self._ipp = ipp.Cluster(**kwargs)
         if self._zygote is not None:
             ZYGOTES[self._ipp.cluster_id] = self._zygote
@@ -279,6 +279,9 @@ class Cluster:
         args += [f"--IPEngine.id={w.rank}", "--IPEngine.enable_nanny=False",
                  "--IPEngine.max_heartbeat_misses=10"]
         kwargs.update(environment=env, engine_args=args)
+        engines = kwargs.get("engines")
+        if isinstance(engines, dict) and engines:  # ssh: this worker's host only
+            kwargs["engines"] = _host_for_rank(engines, w.rank)
         if self._local:
             kwargs.setdefault("stop_seconds_until_kill", 2)
             kwargs.setdefault("stop_timeout", 5)
@@ -305,7 +308,9 @@ class Cluster:
         if self._ipp is None or self._ipp.engines.get(w.engine_set) is not es:
             return  # an older engine set of a restarted worker
         w.exited = True
-        if self.agent is not None and self.state in ("running", "starting"):
+        # not when the group already knows (removed, restarting, or found dead)
+        if (self.agent is not None and self.state in ("running", "starting")
+                and self.agent.gone_why(w.rank) is None):
             log.warning("nbrpc cluster: the engine of %r exited (%s)", w.name, data)
             self.agent.expel(w.rank, dead=True, why="died (its engine process exited)")
 
@@ -449,13 +454,19 @@ class Cluster:
                 return
             self.state = "stopping"
             deadline = time.monotonic() + timeout
+            # The driver's agent goes first: stopped after its peers, it would
+            # wait out the linger of the heartbeats queued to them (0.5 s).
             steps: list[tuple[str, Callable[[], None]]] = [
+                ("driver agent", lambda: self.agent and self.agent.shutdown(graceful=False)),
                 ("engines", lambda: self._loop and self._ipp and self._loop.run(
                     self._ipp.stop_engines, timeout=_left(deadline))),
+                # an engine that outlived its stop (frozen, wedged) is killed now: until
+                # it exits, ipyparallel's launcher blocks the loop thread in a join
+                ("engines left", lambda: _kill([p for w in self.workers.values()
+                                                for p in w.procs])),
                 ("controller", lambda: self._loop and self._ipp and self._loop.run(
                     self._ipp.stop_controller, timeout=_left(deadline))),
                 ("client", lambda: self.client and self.client.close()),
-                ("driver agent", lambda: self.agent and self.agent.shutdown(graceful=False)),
                 ("zygote", lambda: self._zygote and self._zygote.close(min(3.0, _left(deadline)))),
             ]
             for what, step in steps:
@@ -526,7 +537,7 @@ class Cluster:
             return row
         row.state = "busy" if info["busy_threads"] or info["in_flight"] else "ready"
         row.busy_threads, row.in_flight = info["busy_threads"], info["in_flight"]
-        row.owned_rrefs, row.threads = info["owned_rrefs"], info["threads"]
+        row.owned_rrefs = info["owned_rrefs"]
         return row
 
     def view(self, name: str) -> Any:
@@ -569,7 +580,7 @@ def _driver_row(agent: Agent) -> WorkerStatus:
     c = snap["counters"]
     return WorkerStatus(
         "driver", 0, host=socket.gethostname(), pid=os.getpid(), state="ready",
-        threads=c["threads"], busy_threads=c["busy_threads"], in_flight=c["in_flight"],
+        threads=agent.options.num_worker_threads, busy_threads=c["busy_threads"], in_flight=c["in_flight"],
         owned_rrefs=len(snap.get("rrefs", {}).get("owned", [])))
 
 
@@ -584,16 +595,44 @@ def _left(deadline: float) -> float:
 
 
 def _kill(procs: list[Any]) -> None:
-    """SIGKILL the processes we started that are still alive. ``psutil.Process``
-    checks the creation time too, so a recycled pid is never hit."""
+    """SIGKILL the processes we started that are still alive, and their children
+    (the controller's heart monitor), collected first: once a parent dies they
+    are re-parented. ``psutil.Process`` checks the creation time too, so a
+    recycled pid is never hit."""
     import psutil
 
+    family: list[Any] = []
     for p in procs:
+        try:
+            if p.is_running():
+                family += p.children(recursive=True)
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            pass
+        family.append(p)
+    for p in family:
         try:
             if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
                 p.send_signal(signal.SIGKILL)
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             pass
+
+
+def _host_for_rank(engines: dict[str, Any], rank: int) -> dict[str, Any]:
+    """An ssh ``engines`` option ({host: count} or {host: {"n": count, ...}}) narrowed
+    to worker ``rank``'s host, the rank-th slot round robin: each worker is an
+    engine set of one, and ipyparallel would otherwise always take the first host.
+
+    >>> [_host_for_rank({"a": 2, "b": {"n": 1, "ssh_args": []}}, r) for r in (1, 2, 3, 4)]
+    [{'a': 1}, {'a': 1}, {'b': {'n': 1, 'ssh_args': []}}, {'a': 1}]
+    """
+    slots: list[str] = []
+    for host, spec in engines.items():
+        slots += [host] * int(spec.get("n", 1) if isinstance(spec, dict) else spec)
+    if not slots:
+        raise ClusterError(f"launcher option engines={engines!r} names no engine slots")
+    host = slots[(rank - 1) % len(slots)]
+    spec = engines[host]
+    return {host: {**spec, "n": 1} if isinstance(spec, dict) else 1}
 
 
 def _routable_ip() -> str:

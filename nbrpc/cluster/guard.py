@@ -1,8 +1,11 @@
 """Run a Python module that must not outlive the process that started it.
 
-``python -m nbrpc.cluster.guard MODULE ARGS...`` runs ``python -m MODULE ARGS...``
-in this interpreter, with a daemon thread that ends the process as soon as
-its parent is gone (it is re-parented: ``os.getppid()`` changes). Processes
+``python -c <loader> PARENT_PID MODULE ARGS...`` (see :func:`command`) runs
+``python -m MODULE ARGS...`` in this interpreter, with a daemon thread that
+ends the process as soon as ``PARENT_PID`` is no longer its parent (it died,
+and this process was re-parented). The parent is checked before anything is
+imported, and this file is loaded by path: importing the ``nbrpc`` package
+would import torch, seconds on the controller's critical path. Processes
 the module forks (ipyparallel's controller forks its heart monitor) get the
 same watch on *their* parent, so a whole tree goes when its root goes. The
 cluster starts ipyparallel's controller this way, so that a kernel killed
@@ -18,7 +21,20 @@ import sys
 import threading
 import time
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("nbrpc.cluster.guard")
+
+_LOADER = ("import runpy, sys; runpy.run_path(sys.argv[1], run_name='__nbrpc_guard__')"
+           "['main'](sys.argv[2:])")
+
+
+def command(module: str, parent: int | None = None) -> list[str]:
+    """The argv that runs ``python -m module`` guarded by ``parent`` (default: us).
+
+    >>> command("ipyparallel.controller", parent=42)[4:]
+    ['42', 'ipyparallel.controller']
+    """
+    return [sys.executable, "-c", _LOADER, os.path.abspath(__file__),
+            str(os.getpid() if parent is None else parent), module]
 
 
 def watch_parent(parent: int, period: float = 0.25) -> threading.Thread:
@@ -55,13 +71,13 @@ def _watch_in_forked_child() -> None:
 
 
 def main(argv: list[str]) -> None:
-    if not argv:
-        raise SystemExit("usage: python -m nbrpc.cluster.guard MODULE [ARGS...]")
-    watch_parent(os.getppid())
+    """``argv``: PARENT_PID MODULE [ARGS...]."""
+    if len(argv) < 2 or not argv[0].isdigit():
+        raise SystemExit("usage: guard PARENT_PID MODULE [ARGS...]")
+    parent = int(argv[0])
+    if os.getppid() != parent:  # it died while we were starting
+        os._exit(3)
+    watch_parent(parent)
     os.register_at_fork(after_in_child=_watch_in_forked_child)
-    sys.argv = [argv[0], *argv[1:]]
-    runpy.run_module(argv[0], run_name="__main__", alter_sys=True)
-
-
-if __name__ == "__main__":
-    main(sys.argv[1:])
+    sys.argv = [argv[1], *argv[2:]]
+    runpy.run_module(argv[1], run_name="__main__", alter_sys=True)

@@ -21,6 +21,7 @@ from ipyparallel.cluster.launcher import (
 )
 from traitlets import List, Unicode
 
+from . import guard
 from .zygote import Zygote
 
 #: zygotes by ipyparallel cluster id (set by nbrpc.cluster.Cluster)
@@ -30,8 +31,11 @@ ZYGOTES: dict[str, Zygote] = {}
 class GuardedControllerLauncher(LocalControllerLauncher):
     """ipyparallel's local controller, exiting when the process that started it dies."""
 
-    controller_cmd = List([sys.executable, "-m", "nbrpc.cluster.guard", "ipyparallel.controller"],
-                          config=True)
+    def find_args(self) -> list[str]:
+        cmd = list(self.controller_cmd)
+        if cmd[1:] == ["-m", "ipyparallel.controller"]:  # the default: guard it
+            cmd = guard.command("ipyparallel.controller")
+        return cmd + self.cluster_args + self.controller_args
 
 
 class ForkEngineLauncher(LocalEngineLauncher):
@@ -66,3 +70,12 @@ class ForkEngineSetLauncher(LocalEngineSetLauncher):
 
     launcher_class = ForkEngineLauncher
     engine_cmd = List([sys.executable, "-m", "ipyparallel.engine"], config=True)
+
+    def start(self, n: int) -> list:
+        dlist = super().start(n)
+        # ipyparallel's engine set does not hand its stop settings to its engines,
+        # which would wait 5 s (not stop_seconds_until_kill) before a KILL
+        for el in self.launchers.values():
+            el.stop_seconds_until_kill = self.stop_seconds_until_kill
+            el.stop_timeout = self.stop_timeout
+        return dlist

@@ -262,6 +262,10 @@ def main() -> None:
         importlib.import_module(module)
     _reply(1, {"ready": True, "pid": os.getpid()})
     serve()
+    # Nothing is buffered (replies are os.write), so skip the interpreter's
+    # teardown: with torch loaded it takes ~0.4 s of every Cluster.stop().
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":

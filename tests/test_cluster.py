@@ -1,0 +1,563 @@
+"""The real-engine tier: ``nbrpc.Cluster`` with ipyparallel engines forked from
+the warm zygote, each hosting an agent, and this process as ``driver``.
+
+Where remote code comes from: the remote targets called from this module are
+only callables every engine can import by reference (builtins, ``os``,
+``time``, ``torch``). Functions defined here would be pickled by reference
+(this module is importable here, not on the engines, which lack tests/ on
+sys.path), and registering the module with cloudpickle would only imitate a
+notebook. Notebook-style code (functions, lambdas, closures and classes
+defined in ``__main__``) is exercised for real in a driver script run as a
+subprocess, where it does live in ``__main__``.
+
+One two-worker cluster (``_SHARED``) serves the tests that leave it whole
+(status, interrupts, a killed and restarted worker, add/remove); it is
+checked before each use and started afresh if a test broke it. Tests that
+need their own cluster stop it first: one driver agent per process. The file
+runs the shared-cluster tests first, so that it starts once (any order works).
+"""
+
+from __future__ import annotations
+
+import html
+import json
+import logging
+import os
+import queue
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlparse
+
+import psutil
+import pytest
+import torch
+from conftest import poll_for, poll_or_fail
+
+from nbrpc import rpc
+from nbrpc.cluster import Cluster, ClusterStatus
+from nbrpc.errors import NbrpcError, RpcTimeoutError, WorkerGoneError
+
+pytestmark = pytest.mark.cluster
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+# -- helpers ------------------------------------------------------------------
+def _nbrpc_threads() -> list[str]:
+    return [t.name for t in threading.enumerate() if t.name.startswith("nbrpc")]
+
+
+def _gone(p: psutil.Process) -> bool:
+    """The process has exited (a zombie waiting for its reaper counts as gone).
+    psutil.Process checks the creation time, so a recycled pid is not it."""
+    try:
+        return not p.is_running() or p.status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def _alive(procs: list[psutil.Process]) -> list[psutil.Process]:
+    return [p for p in procs if not _gone(p)]
+
+
+def _with_children(procs: list[psutil.Process]) -> list[psutil.Process]:
+    """``procs`` and their descendants (the controller forks its heart monitor)."""
+    out = list(procs)
+    for p in procs:
+        try:
+            out += [c for c in p.children(recursive=True) if c not in out]
+        except psutil.NoSuchProcess:
+            pass
+    return out
+
+
+def _cluster_procs(cluster: Cluster) -> list[psutil.Process]:
+    """Every process the cluster started: zygote, controller (and what it
+    forked), one engine per worker."""
+    procs = [psutil.Process(cluster._zygote.pid), cluster._controller_proc]
+    procs += [p for w in cluster.workers.values() for p in w.procs]
+    assert all(isinstance(p, psutil.Process) for p in procs), procs
+    return _with_children(procs)
+
+
+def _kill_leftovers(procs: list[psutil.Process]) -> None:
+    """Clean-up after a failed test: SIGCONT and SIGKILL what is left of the
+    processes this test's cluster started (only those, by their handles)."""
+    for p in _alive(procs):
+        for sig in (signal.SIGCONT, signal.SIGKILL):
+            try:
+                p.send_signal(sig)
+            except psutil.NoSuchProcess:
+                pass
+
+
+def _refuses(address: str) -> bool:
+    """Nothing listens at ``tcp://host:port`` any more."""
+    url = urlparse(address)
+    try:
+        with socket.create_connection((url.hostname, url.port), timeout=1.0):
+            return False
+    except OSError:
+        return True
+
+
+def _wait_all_ready(cluster: Cluster, timeout: float = 6.0) -> ClusterStatus:
+    """The status once every row is "ready" (a previous test's remote sleep may
+    still keep a worker "busy" for a moment); fails after ``timeout``."""
+    last: list[ClusterStatus] = []
+
+    def ready() -> bool:
+        last[:] = [cluster.status()]
+        return all(w.state == "ready" for w in last[0].workers)
+
+    poll_or_fail(ready, timeout, lambda: f"every worker ready; last status:\n{last[0]}")
+    return last[0]
+
+
+class _Shared:
+    """The module's two-worker cluster: started on first use, started afresh
+    when a test left it in another shape."""
+
+    def __init__(self) -> None:
+        self.cluster: Cluster | None = None
+
+    def get(self) -> Cluster:
+        c = self.cluster
+        if c is not None and not (c.state == "running" and c.names == ["worker1", "worker2"]
+                                  and poll_for(lambda: all(w.state == "ready" for w in
+                                                           c.status().workers), 6, 0.05)):
+            self.stop()
+        if self.cluster is None:
+            self.cluster = Cluster(progress=False).start(2)
+        return self.cluster
+
+    def stop(self) -> None:
+        c, self.cluster = self.cluster, None
+        if c is not None:
+            c.stop()
+
+
+_SHARED = _Shared()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _shared_cluster_stops() -> Iterator[None]:
+    yield
+    _SHARED.stop()
+    assert poll_for(lambda: not _nbrpc_threads(), 5), _nbrpc_threads()
+
+
+@pytest.fixture(autouse=True)
+def no_thread_leak() -> Iterator[None]:
+    """conftest's check, except while the shared cluster runs (its agent's
+    threads are checked when it stops, at the end of the module)."""
+    yield
+    if _SHARED.cluster is None:
+        assert poll_for(lambda: not _nbrpc_threads(), 5), _nbrpc_threads()
+
+
+@pytest.fixture
+def cluster() -> Cluster:
+    """The shared two-worker cluster, every worker ready."""
+    c = _SHARED.get()
+    _wait_all_ready(c)
+    return c
+
+
+@pytest.fixture
+def own_cluster() -> None:
+    """For a test that starts its own clusters: the shared one is stopped first."""
+    _SHARED.stop()
+
+
+# -- shared cluster: status ---------------------------------------------------
+def test_status_text_is_deterministic_and_html_has_pids(cluster: Cluster) -> None:
+    status = _wait_all_ready(cluster)
+    text = str(status)
+    assert text == textwrap.dedent("""\
+        nbrpc cluster (fork launcher): 2 workers ready
+          rank  name     state
+          0     driver   ready
+          1     worker1  ready
+          2     worker2  ready""")
+    assert repr(status) == text == str(_wait_all_ready(cluster))
+    page = status._repr_html_()
+    rows = {w.name: w for w in status.workers}
+    assert rows["driver"].pid == os.getpid()
+    for name in ("worker1", "worker2"):
+        assert rows[name].pid == cluster.workers[name].pid
+    for w in status.workers:
+        assert w.pid and w.host
+        assert f"<td>{w.pid}</td>" in page and f"<td>{html.escape(w.host)}</td>" in page
+
+
+# -- shared cluster: a killed engine ------------------------------------------
+def test_killed_engine_is_reported_and_restarted(cluster: Cluster) -> None:
+    rref = rpc.remote("worker2", torch.ones, args=(3,))
+    assert rref.to_here(timeout=10).tolist() == [1.0, 1.0, 1.0]  # created before the kill
+    pid = cluster.status()["worker2"].pid
+    assert pid == rpc.rpc_sync("worker2", os.getpid) == cluster.workers["worker2"].pid
+    victim = psutil.Process(pid)
+
+    victim.send_signal(signal.SIGKILL)
+    t0 = time.monotonic()
+    error: Exception | None = None
+    for _ in range(20):  # bounded: 20 tries of at most 1 s
+        try:
+            rpc.rpc_sync("worker2", os.getpid, timeout=1)
+        except WorkerGoneError as e:
+            error = e
+            break
+        except RpcTimeoutError:  # not noticed yet: the call went to the dead process
+            pass
+        if time.monotonic() - t0 > 10:
+            break
+        time.sleep(0.05)
+    noticed = time.monotonic() - t0
+    assert error is not None, "calls to the killed worker never raised WorkerGoneError"
+    assert noticed < 6, f"the killed engine was noticed only after {noticed:.1f} s"
+    assert "worker2" in str(error)
+    with pytest.raises(NbrpcError, match="worker2"):  # its owner is gone: the value is lost
+        rref.to_here(timeout=5)
+    assert rpc.rpc_sync("worker1", torch.add, args=(torch.ones(2), 1)).tolist() == [2.0, 2.0]
+    status = cluster.status()
+    assert {w.name: w.state for w in status.workers} == \
+        {"driver": "ready", "worker1": "ready", "worker2": "dead"}, str(status)
+
+    cluster.restart("worker2")
+    assert rpc.get_worker_info("worker2").id == 2
+    assert cluster.workers["worker2"].rank == 2
+    new_pid = rpc.rpc_sync("worker2", os.getpid)
+    assert new_pid == cluster.workers["worker2"].pid and new_pid != pid
+    assert rpc.rpc_sync("worker2", torch.mul, args=(torch.ones(2), 3)).tolist() == [3.0, 3.0]
+    assert str(_wait_all_ready(cluster)).endswith("2     worker2  ready")
+
+
+# -- shared cluster: add and remove -------------------------------------------
+def test_add_then_remove_a_worker(cluster: Cluster, caplog: pytest.LogCaptureFixture) -> None:
+    assert cluster.add(1) == ["worker3"]
+    assert rpc.get_worker_info("worker3").id == 3  # usable at once
+    pid = rpc.rpc_sync("worker3", os.getpid)
+    assert pid == cluster.workers["worker3"].pid
+    assert rpc.rpc_sync("worker3", torch.add, args=(torch.ones(2), 2)).tolist() == [3.0, 3.0]
+    procs = list(cluster.workers["worker3"].procs)
+    assert [p.pid for p in procs] == [pid]
+
+    caplog.clear()
+    cluster.remove("worker3")
+    with pytest.raises(NbrpcError, match="worker3") as info:
+        rpc.rpc_sync("worker3", os.getpid, timeout=5)
+    assert not isinstance(info.value, RpcTimeoutError), info.value  # told, not timed out
+    poll_or_fail(lambda: not _alive(procs), 6, "the removed worker's engine to exit")
+    assert cluster.names == ["worker1", "worker2"]
+    assert [w.name for w in cluster.status().workers] == ["driver", "worker1", "worker2"]
+    assert rpc.rpc_sync("worker2", os.getpid) == cluster.workers["worker2"].pid
+    # a removal is no failure: no "the engine of 'worker3' exited" warning in the notebook
+    assert not [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+
+
+# -- shared cluster: interrupts -----------------------------------------------
+def test_sigint_interrupts_a_waiting_rpc_sync(cluster: Cluster) -> None:
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    main = threading.main_thread().ident
+    assert threading.get_ident() == main
+    t0 = time.monotonic()
+    sent = threading.Event()
+
+    def interrupt() -> None:
+        # as Jupyter's interrupt button does: SIGINT to the main thread. Only
+        # while the call surely still waits (a late one would hit pytest itself).
+        if time.monotonic() - t0 < 2.0:
+            sent.set()
+            signal.pthread_kill(main, signal.SIGINT)
+
+    timer = threading.Timer(0.3, interrupt)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            timer.start()
+            rpc.rpc_sync("worker1", time.sleep, args=(3,))
+        took = time.monotonic() - t0
+    finally:
+        timer.cancel()
+        timer.join(5)
+    assert sent.is_set()
+    assert took < 2.5, f"KeyboardInterrupt came {took:.1f} s after the call began"
+    # the cluster is still usable, the interrupted call's worker too
+    assert rpc.rpc_sync("worker1", os.getpid, timeout=5) == cluster.workers["worker1"].pid
+    assert rpc.rpc_sync("worker2", torch.add, args=(torch.ones(1), 1), timeout=5).tolist() == [2.0]
+
+
+# -- own clusters (the shared one is stopped): start/stop cycles --------------
+CYCLES = 20
+
+
+@pytest.mark.timeout(300)
+def test_twenty_start_stop_cycles_leak_nothing(own_cluster: None) -> None:
+    me = psutil.Process()
+
+    def cycle(i: int) -> tuple[list[psutil.Process], str, list[str]]:
+        cluster = Cluster(progress=False).start(1)
+        try:
+            assert rpc.rpc_sync("worker1", os.getpid) == cluster.workers["worker1"].pid
+            procs = _cluster_procs(cluster)
+            profile = cluster._profile_dir
+            addresses = [m["address"] for m in cluster.agent.snapshot(events=0)["members"]]
+            assert len(addresses) == 2 and os.path.isdir(profile), (addresses, profile)
+            assert not [a for a in addresses if _refuses(a)], addresses  # the probe sees them
+        except BaseException:
+            cluster.stop()
+            raise
+        cluster.stop()
+        return procs, profile, addresses
+
+    # The first cluster of a process creates pyzmq's process-wide
+    # Context.instance() (ipyparallel's client; 5 fds, kept for the life of the
+    # process): the baseline is taken after it.
+    procs, profile, addresses = cycle(0)
+    base_threads, base_fds = threading.active_count(), me.num_fds()
+    for i in range(CYCLES):
+        if i:
+            procs, profile, addresses = cycle(i)
+        assert not _alive(procs), f"cycle {i}: still running after stop(): {_alive(procs)}"
+        assert not os.path.exists(profile), f"cycle {i}: profile dir {profile} left behind"
+        listening = [a for a in addresses if not _refuses(a)]
+        assert not listening, f"cycle {i}: agent ports still open after stop(): {listening}"
+
+    assert poll_for(lambda: threading.active_count() <= base_threads, 5), \
+        [t.name for t in threading.enumerate()]
+    assert poll_for(lambda: me.num_fds() <= base_fds + 2, 5), (me.num_fds(), base_fds)
+    assert me.children(recursive=True) == []
+
+
+# -- own clusters: stop() never hangs -----------------------------------------
+def test_stop_is_bounded_with_controller_killed_and_engine_frozen(own_cluster: None) -> None:
+    cluster = Cluster(progress=False).start(2)
+    procs = _cluster_procs(cluster)
+    try:
+        assert rpc.rpc_sync("worker2", os.getpid) == cluster.workers["worker2"].pid
+        frozen = cluster.workers["worker2"].procs[0]
+        cluster._controller_proc.send_signal(signal.SIGKILL)
+        frozen.send_signal(signal.SIGSTOP)
+        t0 = time.monotonic()
+        cluster.stop(timeout=4)
+        took = time.monotonic() - t0
+        assert took < 4 + 5, f"stop(timeout=4) took {took:.1f} s"
+        assert cluster.state == "stopped"
+        poll_or_fail(lambda: not _alive(procs), 5,
+                     lambda: f"the cluster's processes to be gone: {_alive(procs)}")
+        assert psutil.Process().children(recursive=True) == []
+    finally:
+        _kill_leftovers(procs)
+        cluster.stop()
+
+
+# -- a driver script in its own process (a real __main__) ---------------------
+class _Script:
+    """A driver script run as ``python script.py`` (so that its code lives in
+    ``__main__``), printing JSON lines; stderr goes to a file, shown on failure."""
+
+    def __init__(self, tmp_path: Path, source: str) -> None:
+        path = tmp_path / "driver.py"
+        path.write_text(textwrap.dedent(source))
+        self.err_path = tmp_path / "driver.stderr"
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+            [str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])}
+        with open(self.err_path, "wb") as err:
+            self.proc = subprocess.Popen([sys.executable, str(path)], stdout=subprocess.PIPE,
+                                         stderr=err, cwd=tmp_path, env=env)
+        self.lines: queue.Queue = queue.Queue()
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.put(line)
+        self.lines.put(None)
+
+    def stderr(self) -> str:
+        return self.err_path.read_text(errors="replace")[-4000:]
+
+    def read_until(self, key: str, timeout: float) -> dict[str, Any]:
+        """Every JSON line up to and including the one that has ``key``."""
+        got: dict[str, Any] = {}
+        deadline = time.monotonic() + timeout
+        while key not in got:
+            try:
+                line = self.lines.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                pytest.fail(f"no {key!r} from the driver script within {timeout} s; so far "
+                            f"{got}; its stderr:\n{self.stderr()}", pytrace=False)
+            if line is None:
+                pytest.fail(f"the driver script ended (code {self.proc.wait(5)}) before "
+                            f"{key!r}; so far {got}; its stderr:\n{self.stderr()}",
+                            pytrace=False)
+            got.update(json.loads(line))
+        return got
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(10)
+        self.reader.join(5)
+        if self.proc.stdout:
+            self.proc.stdout.close()
+
+
+DRIVER_THEN_SLEEP = """
+    import json, os, time
+    from nbrpc.cluster import Cluster
+
+    cluster = Cluster(progress=False).start(2)
+    print(json.dumps({"pids": {
+        "zygote": cluster._zygote.pid,
+        "controller": cluster._controller_proc.pid,
+        "engines": [w.pid for w in cluster.workers.values()],
+        "launched": [p.pid for w in cluster.workers.values() for p in w.procs],
+    }}), flush=True)
+    time.sleep(120)
+"""
+
+
+def test_hard_killed_driver_leaves_no_orphans(tmp_path: Path) -> None:
+    script = _Script(tmp_path, DRIVER_THEN_SLEEP)
+    procs: list[psutil.Process] = []
+    try:
+        pids = script.read_until("pids", 60)["pids"]
+        assert len(pids["engines"]) == 2 and sorted(pids["engines"]) == sorted(pids["launched"])
+        procs = _with_children([psutil.Process(pid) for pid in  # alive now: a handle
+                                {pids["zygote"], pids["controller"], *pids["engines"]}])
+        assert not [p for p in procs if _gone(p)]  # pins its identity (create time)
+
+        script.proc.send_signal(signal.SIGKILL)
+        script.proc.wait(10)
+        poll_or_fail(lambda: not _alive(procs), 10,
+                     lambda: f"the dead driver's processes to exit: {_alive(procs)}")
+    finally:
+        script.kill()
+        _kill_leftovers(procs)
+
+
+NOTEBOOK_CODE = """
+    import json, os, sys
+    import torch
+    from nbrpc import rpc
+    from nbrpc.cluster import Cluster
+
+    def emit(**kw):
+        print(json.dumps(kw), flush=True)
+
+    def square(x):
+        return x * x
+
+    cube = lambda x: x ** 3  # noqa: E731
+    scale = 2
+    scaled = lambda x: x * scale  # noqa: E731
+
+    def make_adder(k):
+        def add(x):
+            return x + k
+        return add
+
+    class Counter:
+        def __init__(self, start):
+            self.n = start
+
+        def incr(self, by=1):
+            self.n += by
+            return self.n
+
+        def where(self):
+            return os.environ["NBRPC_WORKER"]
+
+    class Point:
+        def __init__(self, x):
+            self.x = x
+
+        def describe(self):
+            return f"v1:{self.x}"
+
+    def describe(p):
+        return p.describe()
+
+    def remember_type(obj):
+        # on a worker: keep type(obj) in a module-level set of the engine's __main__
+        seen = sys.modules["__main__"].__dict__.setdefault("_seen_types", set())
+        seen.add(type(obj))
+        return len(seen)
+
+    def relay(dest, fn, *args):
+        # on a worker: fn and args came here as arguments; pass them on
+        return rpc.rpc_sync(dest, fn, args=args)
+
+    def bump(counter, by):
+        return counter.rpc_sync().incr(by)
+
+    with Cluster(progress=False).start(2) as cluster:
+        emit(function=rpc.rpc_sync("worker1", square, args=(7,)))
+        emit(torch_result=rpc.rpc_sync("worker2", square, args=(torch.full((2,), 3.0),)).tolist())
+        emit(lam=rpc.rpc_sync("worker2", cube, args=(3,)))
+        emit(closure=rpc.rpc_sync("worker1", make_adder(10), args=(5,)))
+        emit(global_before=rpc.rpc_sync("worker1", scaled, args=(5,)))
+        scale = 3
+        emit(global_after=rpc.rpc_sync("worker1", scaled, args=(5,)))
+        p = rpc.rpc_sync("worker1", Point, args=(4,))  # a class as the target
+        emit(class_target=[type(p) is Point, p.x])
+        counter = rpc.remote("worker2", Counter, args=(5,))
+        emit(remote_incr=counter.rpc_sync().incr(2), remote_where=counter.rpc_sync().where(),
+             remote_owner=counter.owner_name())
+        emit(rref_arg=rpc.rpc_sync("worker1", bump, args=(counter, 10)))
+        emit(fn_arg=rpc.rpc_sync("worker1", relay, args=("worker2", cube, 4)))
+        emit(one_class=[rpc.rpc_sync("worker2", remember_type, args=(Point(i),))
+                        for i in range(5)]
+             + [rpc.rpc_sync("worker1", relay, args=("worker2", remember_type, Point(9)))])
+        emit(method_v1=rpc.rpc_sync("worker2", describe, args=(Point(1),)))
+
+        def square(x):  # a cell run again with a new body
+            return x + 1000
+
+        class Point:
+            def __init__(self, x):
+                self.x = x
+
+            def describe(self):
+                return f"v2:{self.x}"
+
+        emit(redefined=rpc.rpc_sync("worker1", square, args=(7,)),
+             method_v2=rpc.rpc_sync("worker2", describe, args=(Point(1),)))
+        emit(done=True)
+"""
+
+
+def test_notebook_defined_code_runs_remotely(tmp_path: Path) -> None:
+    script = _Script(tmp_path, NOTEBOOK_CODE)
+    try:
+        got = script.read_until("done", 90)
+        assert script.proc.wait(30) == 0, script.stderr()
+    finally:
+        script.kill()
+    assert got == {
+        "function": 49,
+        "torch_result": [9.0, 9.0],
+        "lam": 27,
+        "closure": 15,
+        "global_before": 10,
+        "global_after": 15,  # globals travel with the function, as they are at the call
+        "class_target": [True, 4],  # the instance comes back as the driver's own class
+        "remote_incr": 7, "remote_where": "worker2", "remote_owner": "worker2",
+        "rref_arg": 17,
+        "fn_arg": 64,
+        "one_class": [1, 1, 1, 1, 1, 1],  # sent six times, from two senders: one class
+        "method_v1": "v1:1",
+        "redefined": 1007,
+        "method_v2": "v2:1",
+        "done": True,
+    }, script.stderr()
