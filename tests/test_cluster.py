@@ -537,6 +537,20 @@ NOTEBOOK_CODE = """
 
         emit(redefined=rpc.rpc_sync("worker1", square, args=(7,)),
              method_v2=rpc.rpc_sync("worker2", describe, args=(Point(1),)))
+
+        class Affine(torch.nn.Module):  # a module class defined in a cell
+            def __init__(self, n):
+                super().__init__()
+                self.w = torch.nn.Parameter(torch.full((n,), 2.0))
+
+            def forward(self, x):
+                return x * self.w + 1
+
+        from nbrpc.nn import RemoteModule
+
+        module = RemoteModule("worker2/cpu", Affine, args=(3,))
+        emit(remote_module=module(torch.ones(3)).tolist(),
+             remote_module_owner=module.module_rref.owner_name())
         emit(done=True)
 """
 
@@ -563,5 +577,6 @@ def test_notebook_defined_code_runs_remotely(tmp_path: Path) -> None:
         "method_v1": "v1:1",
         "redefined": 1007,
         "method_v2": "v2:1",
+        "remote_module": [3.0, 3.0, 3.0], "remote_module_owner": "worker2",
         "done": True,
     }, script.stderr()

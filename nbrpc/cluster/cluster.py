@@ -18,6 +18,7 @@ the same name and rank. Engines that die are noticed twice: by their launcher
 
 from __future__ import annotations
 
+import atexit
 import concurrent.futures
 import logging
 import os
@@ -27,6 +28,7 @@ import socket
 import tempfile
 import threading
 import time
+import weakref
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any
@@ -220,6 +222,7 @@ class Cluster:
                 self.stop()
                 raise
             self.state = "running"
+            _stop_at_exit(self)
             self.start_seconds = time.perf_counter() - t0
             progress.close(f"{n} workers ready in {self.start_seconds:.1f} s")
             return self
@@ -490,6 +493,7 @@ class Cluster:
             self._used.clear()
             self.agent = self.client = self._ipp = self._loop = self._zygote = None
             self._controller_proc = None
+            _RUNNING.discard(self)
             self.state = "stopped"
 
     def _forget_ipp(self) -> None:
@@ -573,6 +577,28 @@ class Cluster:
                 self.stop(timeout=3)
             except Exception:  # noqa: BLE001 - interpreter shutdown
                 pass
+
+
+_RUNNING: weakref.WeakSet[Cluster] = weakref.WeakSet()
+_ATEXIT: list[bool] = []
+
+
+def _stop_at_exit(cluster: Cluster) -> None:
+    """Stop running clusters when the interpreter exits (a kernel shut down or
+    restarted). Registered after ipyparallel's own exit hook, so it runs first
+    and ipyparallel finds nothing left to stop."""
+    _RUNNING.add(cluster)
+    if not _ATEXIT:
+        atexit.register(_stop_all)
+        _ATEXIT.append(True)
+
+
+def _stop_all() -> None:
+    for cluster in list(_RUNNING):
+        try:
+            cluster.stop(timeout=5)
+        except Exception as e:  # noqa: BLE001 - exiting anyway
+            log.warning("nbrpc cluster stop at exit: %s", e)
 
 
 def _driver_row(agent: Agent) -> WorkerStatus:
