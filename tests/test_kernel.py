@@ -147,8 +147,11 @@ def test_a_killed_kernel_leaves_no_orphans(kernel: Kernel) -> None:
     kernel.ok("%load_ext nbrpc\n%rpc_cluster start 2")
     pids = json.loads(kernel.ok(PIDS))
     assert len(pids) >= 5 and all(_alive(p) for p in pids)
+    profile = kernel.ok("print(rpc_cluster._profile_dir)").strip()
+    assert os.path.isdir(profile)
     kernel_pid = int(kernel.ok("import os\nprint(os.getpid())"))
     assert kernel_pid == kernel.km.provisioner.process.pid  # the kernel we started
     os.kill(kernel_pid, 9)  # SIGKILL: no atexit, no finally
     alive = _gone(pids, 15)
     assert alive == [], [psutil.Process(p).cmdline() for p in alive if _alive(p)]
+    assert not os.path.exists(profile)  # the guarded controller removed it

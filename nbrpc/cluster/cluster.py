@@ -38,6 +38,7 @@ from ..agent.agent import _Default
 from ..errors import AlreadyInitializedError, NbrpcError
 from ..transport import new_key
 from . import engine as engine_side
+from . import guard
 from .progress import Progress, make_progress
 from .status import ClusterStatus, WorkerStatus
 
@@ -267,7 +268,9 @@ class Cluster:
         self._ipp = ipp.Cluster(**kwargs)
         if self._zygote is not None:
             ZYGOTES[self._ipp.cluster_id] = self._zygote
-        self._loop.run(self._ipp.start_controller, timeout=self.timeout)
+        # a killed driver cannot remove its private profile: the guarded controller does
+        cleanup = {guard.CLEANUP_ENV: self._profile_dir} if self._own_profile else {}
+        self._loop.run(self._ipp.start_controller, timeout=self.timeout, environment=cleanup)
         self._controller_proc = getattr(self._ipp.controller, "process", None)
         progress.update(0, "controller started")
         if self._zygote is not None:

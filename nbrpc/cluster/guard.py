@@ -23,6 +23,8 @@ import time
 
 log = logging.getLogger("nbrpc.cluster.guard")
 
+CLEANUP_ENV = "NBRPC_GUARD_CLEANUP"
+
 _LOADER = ("import runpy, sys; runpy.run_path(sys.argv[1], run_name='__nbrpc_guard__')"
            "['main'](sys.argv[2:])")
 
@@ -46,6 +48,7 @@ def watch_parent(parent: int, period: float = 0.25) -> threading.Thread:
             time.sleep(period)
         log.warning("parent process %d is gone; exiting", parent)
         _kill_children()
+        _clean_up()
         os._exit(3)
 
     t = threading.Thread(target=watch, name="nbrpc-parent-watch", daemon=True)
@@ -66,7 +69,18 @@ def _kill_children() -> None:
         pass
 
 
+def _clean_up() -> None:
+    """Remove the directory ``$NBRPC_GUARD_CLEANUP`` names: the private profile of
+    a cluster whose driver died (only nbrpc's own ``nbrpc-cluster-*`` folders)."""
+    path = os.environ.get(CLEANUP_ENV, "")
+    if path and os.path.basename(path.rstrip("/")).startswith("nbrpc-cluster-"):
+        import shutil
+
+        shutil.rmtree(path, ignore_errors=True)
+
+
 def _watch_in_forked_child() -> None:
+    os.environ.pop(CLEANUP_ENV, None)  # the root of the tree cleans up, once
     watch_parent(os.getppid())
 
 
