@@ -219,8 +219,7 @@ class Cluster:
                 self._wait_ready(self.names, progress)
             except BaseException:
                 progress.close("start failed")
-                self.state = "running"  # so that stop() tears down what exists
-                self.stop()
+                self.stop()  # tears down what exists
                 raise
             self.state = "running"
             _stop_at_exit(self)

@@ -53,14 +53,14 @@ class WidgetProgress(Progress):
         import ipywidgets as w
         from IPython.display import display
 
-        self.bar = w.IntProgress(value=0, min=0, max=total, description=title[:20])
-        self.label = w.Label("")
+        self.bar = w.IntProgress(value=0, min=0, max=total)
+        self.label = w.Label(title)
         self.box = w.HBox([self.bar, self.label])
         display(self.box)
 
     def show(self, message: str) -> None:
         self.bar.value = self.done
-        self.label.value = f"{self.done}/{self.total} {message}"
+        self.label.value = f"{self.title}: {self.done}/{self.total} {message}"
 
     def close(self, message: str = "") -> None:
         self.box.close()
