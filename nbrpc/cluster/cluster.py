@@ -25,6 +25,7 @@ import os
 import shutil
 import signal
 import socket
+import sys
 import tempfile
 import threading
 import time
@@ -120,8 +121,8 @@ class Cluster:
     """A driver (this process, rank 0) and ipyparallel engines ``worker1``.. each
     hosting an nbrpc agent; the RPC API works from the next line.
 
-    ``launcher``: ``"fork"`` (default: engines forked from a warm process that
-    has imported torch), ``"local"`` (ipyparallel's plain local processes), or
+    ``launcher``: ``"fork"`` (default, on Linux: engines forked from a warm
+    process that has imported torch), ``"local"`` (ipyparallel's plain local processes), or
     any ipyparallel engine launcher (``"mpi"``, ``"ssh"``, ``"slurm"``, ``"pbs"``,
     ... or a class), configured with ``launcher_options`` (its traits, e.g.
     ``{"engines": {"host1": 2}}`` for ssh). ``host`` is the interface the
@@ -159,6 +160,10 @@ class Cluster:
             raise ValueError(f"threads must be >= 1 (worker threads per agent), got {threads}")
         if timeout <= 0:
             raise ValueError(f"timeout must be > 0 seconds, got {timeout}")
+        if launcher == "fork" and not sys.platform.startswith("linux"):
+            # forking a process that has imported torch is safe on Linux only
+            log.info("nbrpc cluster: no fork launcher on %s; using 'local'", sys.platform)
+            launcher = "local"
         self.launcher = launcher
         self.launcher_options = dict(launcher_options or {})
         self.threads = int(threads)
