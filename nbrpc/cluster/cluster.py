@@ -63,7 +63,6 @@ class _Worker:
     host: str | None = None
     procs: list[Any] = field(default_factory=list)  # psutil.Process of each engine launched
     agent_call: Any = None  # ipyparallel AsyncResult of start_agent
-    launched: float = 0.0
     exited: bool = False
 
 
@@ -107,9 +106,6 @@ class _Loop:
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"{getattr(fn, '__name__', fn)} did not finish "
                                        f"within {timeout:g} s") from None
-
-    def call_soon(self, fn: Callable, *args: Any) -> None:
-        self.loop.add_callback(fn, *args)
 
     def stop(self, timeout: float = 5.0) -> None:
         if self.loop is not None and self.thread.is_alive():
@@ -304,7 +300,6 @@ class Cluster:
             self.workers[name] = w
             w.engine_set, w.engine_id, w.agent_call, w.exited = name, None, None, False
             w.engine_ident = None
-            w.launched = time.monotonic()
             self._loop.run(self._ipp.start_engines, 1, name, timeout=self.timeout,
                            **self._engine_kwargs(w))
             es = self._ipp.engines[name]
