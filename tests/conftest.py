@@ -122,6 +122,19 @@ class World:
         return r
 
 
+def world_cache(run: Callable[[str], World]) -> Callable[[str], World]:
+    """``run(name)`` once per name: a module fixture returns this, so that each
+    world is spawned by the first test that asks for it."""
+    cache: dict[str, World] = {}
+
+    def get(name: str) -> World:
+        if name not in cache:
+            cache[name] = run(name)
+        return cache[name]
+
+    return get
+
+
 def spawn_world(name: str, child, args: tuple, nprocs: int, results,
                 timeout: float) -> World:
     """``mp.spawn(child, args)`` without joining; collect what the children put on

@@ -49,7 +49,7 @@ from typing import Any
 import pytest
 import torch
 import torch.multiprocessing as mp
-from conftest import World, free_ports, poll_or_fail, spawn_world
+from conftest import World, free_ports, poll_or_fail, spawn_world, world_cache
 from torch import nn
 
 from nbrpc import autograd as dist_autograd
@@ -647,14 +647,7 @@ def _run_world(name: str) -> World:
 @pytest.fixture(scope="module")
 def worlds() -> Callable[[str], World]:
     """Each world is spawned once, by the first test that asks for it."""
-    cache: dict[str, World] = {}
-
-    def get(name: str) -> World:
-        if name not in cache:
-            cache[name] = _run_world(name)
-        return cache[name]
-
-    return get
+    return world_cache(_run_world)
 
 
 # -- the tests -----------------------------------------------------------------------------

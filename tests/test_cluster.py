@@ -580,3 +580,28 @@ def test_notebook_defined_code_runs_remotely(tmp_path: Path) -> None:
         "remote_module": [3.0, 3.0, 3.0], "remote_module_owner": "worker2",
         "done": True,
     }, script.stderr()
+
+
+def test_an_engine_agent_exits_once_its_driver_is_gone() -> None:
+    """engine.start_agent's member-gone hook, alone (no zygote leash, no pdeathsig):
+    a process hosting a worker agent ends once the driver stops answering."""
+    from nbrpc.agent import Agent, AgentOptions
+    from nbrpc.transport import new_key
+
+    key = new_key()
+    driver = Agent("driver", 0, key, world_size=None, options=AgentOptions(num_worker_threads=2))
+    driver.start(None, 10)
+    code = ("import sys, time\nfrom nbrpc.cluster import engine\n"
+            f"engine.start_agent({{'worker1': 1}}, 'worker1', {driver.address!r}, {key!r}, {{}})\n"
+            "time.sleep(60)\nsys.exit(5)  # only if the driver's absence went unnoticed\n")
+    proc = subprocess.Popen([sys.executable, "-c", code], stderr=subprocess.PIPE, text=True)
+    try:
+        poll_or_fail(lambda: driver.is_member(1), 30, "worker1 to join the driver")
+        driver.shutdown(graceful=False)  # silent from now on: no Leave is sent
+        assert proc.wait(15) == 0
+        assert "the driver died" in proc.stderr.read()
+    finally:
+        driver.shutdown(graceful=False)
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(5)

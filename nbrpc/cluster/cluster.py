@@ -396,22 +396,14 @@ class Cluster:
             self._require_running("add")
             top = max((w.rank for w in self.workers.values()), default=0)
             new = [(f"worker{r}", r) for r in range(top + 1, top + n + 1)]
-            progress = make_progress(n, self.progress, "adding nbrpc workers")
-            try:
-                self._launch(new)
-                self._wait_ready([name for name, _ in new], progress)
-            finally:
-                progress.close()
+            self._bring_up(new, "adding nbrpc workers")
             return [name for name, _ in new]
 
     def remove(self, name: str) -> None:
         """Stop worker ``name`` for good; the group is told it left."""
         with self._lock:
             self._require_running("remove")
-            w = self._worker(name)
-            assert self.agent is not None
-            self.agent.expel(w.rank, dead=False, why="was removed from the cluster")
-            self._stop_engine_set(w)
+            self._take_down(self._worker(name), dead=False, why="was removed from the cluster")
             del self.workers[name]
 
     def restart(self, name: str | None = None) -> None:
@@ -425,19 +417,23 @@ class Cluster:
         with self._lock:
             self._require_running("restart")
             w = self._worker(name)
-            assert self.agent is not None
-            self.agent.expel(w.rank, dead=True, why="was restarted")
-            self._stop_engine_set(w)
+            self._take_down(w, dead=True, why="was restarted")  # its RRefs are released
             w.pid = w.host = None
-            progress = make_progress(1, self.progress, f"restarting {name}")
-            try:
-                self._launch([(name, w.rank)])
-                self._wait_ready([name], progress)
-            finally:
-                progress.close()
+            self._bring_up([(name, w.rank)], f"restarting {name}")
 
-    def _stop_engine_set(self, w: _Worker) -> None:
-        assert self._loop is not None
+    def _bring_up(self, ranks: list[tuple[str, int]], title: str) -> None:
+        """Launch engines for ``ranks`` (name, rank) and wait for their agents."""
+        progress = make_progress(len(ranks), self.progress, title)
+        try:
+            self._launch(ranks)
+            self._wait_ready([name for name, _ in ranks], progress)
+        finally:
+            progress.close()
+
+    def _take_down(self, w: _Worker, dead: bool, why: str) -> None:
+        """Tell the group ``w`` is gone (``dead``: as a failure), then stop its engine."""
+        assert self.agent is not None and self._loop is not None
+        self.agent.expel(w.rank, dead=dead, why=why)
         if w.engine_id is not None and self.client is not None:
             try:  # frees the engine id at the controller at once
                 self.client.shutdown(targets=[w.engine_id], block=False)

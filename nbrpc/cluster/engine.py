@@ -13,8 +13,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
-import threading
-import time
+import sys
 from typing import Any
 from urllib.parse import urlparse
 
@@ -48,24 +47,23 @@ def start_agent(names: dict[str, int], fallback: str, coordinator: str, key: byt
     opts = AgentOptions(**{**options, "host": _local_ip_towards(socket.gethostbyname(host)),
                            "port": 0})
     agent = Agent(name, rank, key, world_size=None, options=opts)
+    agent.gone_hooks.append(lambda gone: _exit_without_driver(agent, gone))
     agent.begin(coordinator)
     set_default_agent(agent)
     _agent.append(agent)
-    threading.Thread(target=_exit_without_driver, args=(agent,), daemon=True,
-                     name="nbrpc-driver-watch").start()
     return {"name": name, "rank": rank, "pid": os.getpid(), "host": socket.gethostname(),
             "address": agent.address}
 
 
-def _exit_without_driver(agent: Agent, period: float = 0.2) -> None:
-    """End the engine once the driver has gone (declared dead, or left): an
-    engine without its driver is an orphan."""
-    while agent.state not in ("stopped",):
-        if agent.state in ("ready", "failed") and agent.gone_why(0) is not None:
-            log.warning("nbrpc: the driver %s; engine %r exits", agent.gone_why(0), agent.name)
-            agent.shutdown(graceful=False)
-            os._exit(0)
-        time.sleep(period)
+def _exit_without_driver(agent: Agent, gone: int) -> None:
+    """A member-gone hook (on the agent's I/O thread): once the driver has gone
+    (declared dead, or this worker evicted), end the engine, an orphan now."""
+    if gone != 0 or agent.state in ("stopping", "stopped"):
+        return
+    log.warning("nbrpc: the driver %s; engine %r exits", agent.gone_why(0), agent.name)
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    os._exit(0)
 
 
 def probe() -> dict[str, Any]:
