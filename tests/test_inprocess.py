@@ -499,6 +499,92 @@ def test_pool_grows_for_tasks_queued_behind_a_blocked_thread() -> None:
         pool.stop(timeout=2)
 
 
+def _never(delay, fn, *args) -> None:
+    """A ``call_later`` whose calls never run: the pool's fallback growth is off."""
+
+
+def _blocked_then_released(pool, wait_in_pool) -> bool:
+    """Task one waits (through ``wait_in_pool``) for task two, queued behind it."""
+    released, done = threading.Event(), threading.Event()
+    pool.submit(lambda: wait_in_pool(released) and done.set())
+    pool.submit(released.set)
+    return done.wait(3)
+
+
+def test_a_thread_blocked_in_an_nbrpc_wait_grows_the_pool_at_once() -> None:
+    """Without the fallback timer, only blocking() can start the second thread."""
+    from nbrpc.agent.pool import WorkerPool, blocking
+
+    def managed(ev: threading.Event) -> bool:
+        with blocking():
+            return ev.wait(5)
+
+    pool = WorkerPool(4, "nbrpc-test-pool", call_later=_never)
+    try:
+        assert _blocked_then_released(pool, managed)
+        assert pool.size == 2 and pool.blocked == 0
+    finally:
+        pool.stop(timeout=2)
+
+
+def test_an_rpc_future_wait_and_a_backward_wait_count_as_blocked() -> None:
+    from nbrpc.agent.futures import RpcFuture
+    from nbrpc.agent.pool import WorkerPool
+    from nbrpc.autograd.backward import Waiter
+
+    def on_future(ev: threading.Event) -> bool:
+        fut = RpcFuture()
+        threading.Thread(target=lambda: ev.wait(5) and fut.set_result(True)).start()
+        return fut.wait()
+
+    def on_waiter(ev: threading.Event) -> bool:
+        w = Waiter(set())
+        threading.Thread(target=lambda: ev.wait(5) and w.done.set()).start()
+        w.wait(5)
+        return True
+
+    for wait_in_pool in (on_future, on_waiter):
+        pool = WorkerPool(4, "nbrpc-test-pool", call_later=_never)
+        try:
+            assert _blocked_then_released(pool, wait_in_pool), wait_in_pool.__name__
+        finally:
+            pool.stop(timeout=2)
+
+
+def test_tasks_behind_a_busy_thread_wait_for_the_fallback_check() -> None:
+    """A busy (not blocked) thread gets no helper at once; the check adds one only
+    when it runs on time and sees no task finish; a late check looks again."""
+    from nbrpc.agent.pool import GROW_AFTER, WorkerPool
+
+    checks = []
+    pool = WorkerPool(4, "nbrpc-test-pool", call_later=lambda d, fn: checks.append(fn))
+    release, ran = threading.Event(), threading.Event()
+    try:
+        pool.submit(release.wait, 5)  # busy as far as the pool knows
+        assert poll_for(lambda: pool.busy == 1)
+        pool.submit(ran.set)
+        assert pool.size == 1 and len(checks) == 1
+        time.sleep(2.5 * GROW_AFTER)  # the process was held up: proves nothing
+        checks.pop()()
+        assert pool.size == 1 and len(checks) == 1  # looks again
+        checks.pop()()  # on time, no task finished: blocked after all
+        assert pool.size == 2 and ran.wait(3)
+    finally:
+        release.set()
+        pool.stop(timeout=2)
+
+
+def test_nested_calls_need_no_fallback_growth(monkeypatch) -> None:
+    """a → b → c → a → b, each hop waiting in rpc_sync: every new thread the chain
+    needs starts at once (the fallback, 60 s here, would time the call out)."""
+    from nbrpc.agent import pool
+
+    monkeypatch.setattr(pool, "GROW_AFTER", 60.0)
+    with local_group(["a", "b", "c"], threads=4, rpc_timeout=5) as (a, b, c):
+        assert a.rpc_async("b", nested, (0, ["c", "a", "b"])).wait() == ["b", "c", "a", "b", 3]
+        assert b.rpc_async("a", nested, (0, ["b", "a", "b"])).wait() == ["a", "b", "a", "b", 3]
+
+
 def test_a_burst_of_quick_calls_does_not_grow_the_pool() -> None:
     """Busy threads are not blocked ones: 3000 quick calls, 64 in flight, keep the
     callee on a few threads (growing to all 16 made later large copies 2x slower)."""

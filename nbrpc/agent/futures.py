@@ -25,6 +25,8 @@ from typing import Any
 
 import torch
 
+from nbrpc.agent.pool import blocking
+
 _SLICE = 0.25  # seconds between checks while waiting; bounds interrupt latency
 
 
@@ -53,12 +55,26 @@ class RpcFuture(torch.futures.Future):
                 "given to .then() or add_done_callback). That would deadlock: chain "
                 "another .then() instead of calling wait() or rpc_sync() in a callback."
             )
-        done = threading.Lock()  # released by the completing thread
-        done.acquire()
-        self.add_done_callback(lambda _f: done.release())
+        block_until_done(self)
+
+
+
+def block_until_done(fut: torch.futures.Future) -> None:
+    """Wait for any torch future as :meth:`RpcFuture.wait` does: Ctrl-C can
+    interrupt it, and a pool thread waiting here lets its pool start another
+    thread at once (see :mod:`nbrpc.agent.pool`). Raises nothing of ``fut``'s.
+
+    >>> f = torch.futures.Future(); f.set_result(3); block_until_done(f); f.value()
+    3
+    """
+    if fut.done():
+        return
+    done = threading.Lock()  # released by the completing thread
+    done.acquire()
+    fut.add_done_callback(lambda _f: done.release())
+    with blocking():
         while not done.acquire(timeout=_SLICE):  # slices keep Ctrl-C prompt
             pass
-
 
 
 TRACEBACK_ATTR = "_nbrpc_traceback"

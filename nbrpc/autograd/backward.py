@@ -35,6 +35,7 @@ import torch
 
 from ..agent import Agent
 from ..agent.messages import Err
+from ..agent.pool import blocking
 from ..agent.remote_errors import pack_error, rebuild_error
 from ..errors import RpcTimeoutError
 from .context import AutogradContext, Contexts, contexts_of
@@ -168,10 +169,11 @@ class Waiter:
     def wait(self, timeout: float) -> None:
         """Bounded, and interruptible (short slices)."""
         deadline = time.monotonic() + timeout
-        while not self.done.wait(0.25):
-            if time.monotonic() > deadline:
-                raise RpcTimeoutError("distributed backward pass (waiting for the workers' "
-                                      "stages)", timeout)
+        with blocking():
+            while not self.done.wait(0.25):
+                if time.monotonic() > deadline:
+                    raise RpcTimeoutError("distributed backward pass (waiting for the "
+                                          "workers' stages)", timeout)
         if self.error is not None:
             raise self.error
 

@@ -29,6 +29,7 @@ import torch
 from ..agent import (
     Agent,
     WorkerInfo,
+    block_until_done,
     check_future,
     current_agent,
     detach,
@@ -174,7 +175,7 @@ class RRef(Generic[T]):
                 f"local_value() works only on the owner ({self.owner_name()!r}); this RRef "
                 f"is a user copy on {self._agent.name!r}. Call to_here() instead.")
         value = self._ctx.entry(self._id).value
-        value.wait()
+        block_until_done(value)
         result, error = outcome(value)
         if error is not None:
             raise fresh(error)
@@ -343,7 +344,11 @@ mark_async(_call_method_on_owner)
 
 def _backward_on_owner(rref_id: RRefId, ctx_id: int, retain_graph: bool) -> None:
     agent = current_agent()
-    value = agent.ext["rref"].entry(rref_id).value.wait()
+    entry_value = agent.ext["rref"].entry(rref_id).value
+    block_until_done(entry_value)
+    value, error = outcome(entry_value)
+    if error is not None:
+        raise fresh(error)
     if not isinstance(value, torch.Tensor):
         raise TypeError(f"RRef.backward needs a tensor value; RRef {rref_id} holds a "
                         f"{type(value).__name__}")
