@@ -31,7 +31,7 @@ import sys
 import types
 from typing import Any
 
-from .agent import current_agent
+from .agent import current_agent, gcfreeze
 from .rref import RRef
 
 Graph = dict[str, Any]
@@ -197,6 +197,7 @@ def _references_here(rid: str) -> list[str]:
     user_ns = getattr(main, "__dict__", {})
     out_hist = user_ns.get("Out") if isinstance(user_ns.get("Out"), dict) else None
     found: list[str] = []
+    gcfreeze.thaw()  # gc.get_referrers skips frozen objects (the notebook's namespace)
     gc.collect()
     here = sys._getframe()
     for obj in objs:

@@ -199,6 +199,22 @@ def test_status_text_is_deterministic_and_html_has_pids(cluster: Cluster) -> Non
         assert f"<td>{w.pid}</td>" in page and f"<td>{html.escape(w.host)}</td>" in page
 
 
+def test_engines_inherit_the_zygotes_frozen_imports(cluster: Cluster) -> None:
+    """The zygote freezes its imports before forking: engines' full collections
+    skip them (and leave their pages shared); the engine's agent adds no freeze."""
+
+    def freeze_state() -> tuple[int, bool]:  # (nested: sent by value)
+        import gc
+
+        from nbrpc.agent import gcfreeze
+
+        return gc.get_freeze_count(), gcfreeze.is_frozen()
+
+    for name in ("worker1", "worker2"):
+        frozen, ours = rpc.rpc_sync(name, freeze_state)
+        assert frozen > 10_000 and not ours, (name, frozen, ours)
+
+
 # -- shared cluster: a killed engine ------------------------------------------
 def test_killed_engine_is_reported_and_restarted(cluster: Cluster) -> None:
     rref = rpc.remote("worker2", torch.ones, args=(3,))

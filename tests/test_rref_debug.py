@@ -111,3 +111,22 @@ def test_ipython_output_history_keeps_an_rref_alive_and_why_alive_says_so(trio_d
     finally:
         InteractiveShell.clear_instance()
         sys.modules["__main__"] = saved_main
+
+
+_HOLDER: dict = {}  # made at import, before any agent: frozen while agents run
+
+
+def test_why_alive_sees_containers_frozen_for_short_collections(trio_default) -> None:
+    """Agents move older objects out of the collector's sight (gc.freeze), where
+    gc.get_referrers cannot see them: why_alive thaws them first."""
+    a, _, _ = trio_default
+    from nbrpc.agent import gcfreeze
+
+    assert gcfreeze.is_frozen() and gc.get_freeze_count() > 0
+    _HOLDER["r"] = remote(a, "b", Box, (4,), {}, -1)
+    try:
+        why = debug.why_alive(_HOLDER["r"])
+        assert "a dict (key 'r')" in why["references"]["a"], why
+        assert not gcfreeze.is_frozen() and gc.get_freeze_count() == 0
+    finally:
+        del _HOLDER["r"]

@@ -50,6 +50,7 @@ from ..errors import (
 )
 from ..serialize import current_context, dumps, loads, parallel_copy
 from ..transport import Envelope, IOLoop
+from . import gcfreeze
 from .asyncfn import check_future, is_async
 from .events import EventLog
 from .faults import FaultPlan
@@ -209,6 +210,7 @@ class AgentOptions:
     heartbeat_interval: float = 0.5  # seconds between heartbeats; 0 turns detection off
     failure_timeout: float = 2.0  # a member silent this long is declared dead
     control_retry: float = 1.0  # first retry of an unanswered protocol message (doubles)
+    gc_freeze: bool = True  # keep full GC collections short while running (see gcfreeze)
 
 
 class Agent:
@@ -270,6 +272,7 @@ class Agent:
         self._sent: Counter[int] = Counter()  # requests sent, per peer (under _lock)
         self._served: Counter[int] = Counter()  # requests answered, per caller (under _lock)
         self._coordinator_seen = 0.0  # when rank 0 was last heard from
+        self._gc_held = False
         self.timeouts = self.late_replies = self.remote_errors = 0
         for install in _EXTENSIONS:
             install(self)
@@ -285,6 +288,9 @@ class Agent:
     def begin(self, coordinator_address: str | None) -> None:
         """Start the threads and send Join to the coordinator (returns at once)."""
         self.state = "joining"
+        if self.options.gc_freeze and not self._gc_held:
+            gcfreeze.hold()
+            self._gc_held = True
         self.io.start()
         self.io.call_soon(self._adopt_thread)
         join = Join(Member(self.name, self.rank, self.address), self.world_size)
@@ -335,6 +341,7 @@ class Agent:
         if graceful and self.state == "ready":
             self.state = "stopping"
             if leak_check:  # unreachable RRefs in reference cycles are not leaks
+                gcfreeze.thaw()  # (a frozen garbage cycle would hold them)
                 gc.collect()  # (40 ms with torch loaded: only when asked)
             try:
                 if self.rank != 0 and 0 not in self._members:  # the coordinator died
@@ -366,6 +373,9 @@ class Agent:
     def _stop_local(self) -> None:
         self.state = "stopped"
         self.io.stop()
+        if self._gc_held:
+            self._gc_held = False
+            gcfreeze.release()
         stuck = self.pool.stop(timeout=2.0)
         if stuck:
             log.warning("nbrpc agent %r: worker threads still running user code at "

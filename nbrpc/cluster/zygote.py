@@ -260,6 +260,13 @@ def main() -> None:
 
     for module in preload:
         importlib.import_module(module)
+    # The imports go to the collector's permanent generation before any fork
+    # (as Python's gc.freeze documentation advises): engines' full collections
+    # skip them (short pauses, see nbrpc.agent.gcfreeze) and never write to
+    # their pages, which thus stay shared with the zygote (copy-on-write).
+    import gc
+
+    gc.freeze()
     _reply(1, {"ready": True, "pid": os.getpid()})
     serve()
     # Nothing is buffered (replies are os.write), so skip the interpreter's

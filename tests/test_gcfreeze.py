@@ -1,0 +1,83 @@
+"""Full collections stay short while agents run: objects alive when the first
+agent starts are frozen (gc.freeze) until the last one stops. No network except
+the two agent tests at the end."""
+
+from __future__ import annotations
+
+import gc
+import weakref
+from collections.abc import Iterator
+
+import pytest
+from conftest import local_group
+
+from nbrpc.agent import gcfreeze
+
+
+@pytest.fixture(autouse=True)
+def no_freeze_around() -> Iterator[None]:
+    assert gc.get_freeze_count() == 0 and not gcfreeze.is_frozen(), "a test before left a freeze"
+    yield
+    gcfreeze.thaw()
+    gc.unfreeze()
+    gcfreeze._holders = 0
+
+
+def test_the_first_hold_freezes_and_the_last_release_gives_back() -> None:
+    gcfreeze.hold()
+    frozen = gc.get_freeze_count()
+    assert frozen > 1000 and gcfreeze.is_frozen()  # torch alone: far more
+    gcfreeze.hold()  # a second agent freezes nothing more
+    assert gc.get_freeze_count() == frozen
+    gcfreeze.release()
+    assert gc.get_freeze_count() == frozen
+    gcfreeze.release()
+    assert gc.get_freeze_count() == 0 and not gcfreeze.is_frozen()
+
+
+def test_thaw_ends_the_freeze_until_every_agent_has_stopped() -> None:
+    gcfreeze.hold()
+    gcfreeze.thaw()
+    assert gc.get_freeze_count() == 0
+    gcfreeze.hold()  # another agent while one runs: stays thawed
+    assert gc.get_freeze_count() == 0
+    gcfreeze.release()
+    gcfreeze.release()
+    gcfreeze.hold()  # all stopped, a new one starts: frozen again
+    assert gc.get_freeze_count() > 0
+    gcfreeze.release()
+    assert gc.get_freeze_count() == 0
+
+
+def test_a_freeze_made_by_the_process_itself_is_left_alone() -> None:
+    gc.freeze()  # e.g. a pre-fork server, or nbrpc's zygote before forking engines
+    theirs = gc.get_freeze_count()
+    gcfreeze.hold()
+    assert not gcfreeze.is_frozen()
+    gcfreeze.release()
+    assert gc.get_freeze_count() == theirs  # not unfrozen by us
+
+
+def test_a_frozen_garbage_cycle_is_collected_once_given_back() -> None:
+    class Node:
+        pass
+
+    n = Node()
+    n.me = n  # a cycle: only the collector frees it
+    alive = weakref.ref(n)
+    gcfreeze.hold()
+    del n
+    gc.collect()
+    assert alive() is not None  # frozen: full collections skip it
+    gcfreeze.release()
+    gc.collect()
+    assert alive() is None
+
+
+def test_agents_freeze_while_running_unless_told_not_to() -> None:
+    with local_group(["a", "b"]) as (a, b):
+        assert gcfreeze.is_frozen() and gc.get_freeze_count() > 0
+        assert a.rpc_async("b", divmod, (7, 2)).wait() == (3, 1)
+    assert gc.get_freeze_count() == 0 and not gcfreeze.is_frozen()
+    with local_group(["a", "b"], gc_freeze=False):
+        assert gc.get_freeze_count() == 0
