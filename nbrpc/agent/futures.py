@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from nbrpc.agent.pool import blocking
+from .pool import blocking
 
 _SLICE = 0.25  # seconds between checks while waiting; bounds interrupt latency
 
@@ -56,7 +56,6 @@ class RpcFuture(torch.futures.Future):
                 "another .then() instead of calling wait() or rpc_sync() in a callback."
             )
         block_until_done(self)
-
 
 
 def block_until_done(fut: torch.futures.Future) -> None:

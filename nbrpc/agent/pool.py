@@ -110,11 +110,11 @@ class WorkerPool:
 
     def _need_more(self) -> None:
         """Called when a task is queued, when an idle thread turns busy and when
-        a busy one blocks: if queued tasks outnumber idle threads, add one, now
-        if no thread could get to them (none, or all busy ones blocked), else
-        after GROW_AFTER if they make no progress (idle threads about to take
-        a task are not stuck). "Idle" threads may be spoken
-        for by earlier tasks, hence the queue."""
+        a busy one blocks: if queued tasks outnumber idle threads, add one: now
+        if no thread can get to them (there is none, or every busy one is
+        blocked), else after GROW_AFTER if no task finishes meanwhile (idle
+        threads about to take a task are not stuck). "Idle" threads may be
+        spoken for by earlier tasks, hence the queue."""
         if self._q.qsize() <= self._idle or self._stopped or (
                 len(self._threads) >= self.max_threads):
             return
