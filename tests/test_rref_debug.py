@@ -79,11 +79,18 @@ def test_why_alive_names_users_and_variables(trio_default) -> None:
     assert poll_for(lambda: "already freed" in debug.why_alive(rid)["reasons"][0])
 
 
-def test_ipython_output_history_keeps_an_rref_alive_and_why_alive_says_so(trio_default) -> None:
+def test_ipython_output_history_keeps_an_rref_alive_and_why_alive_says_so(
+        trio_default, monkeypatch: pytest.MonkeyPatch) -> None:
     """A cell that displays an RRef stores it in Out[n] (and _): deleting the
     variable does not free the value, and why_alive points at Out."""
     pytest.importorskip("IPython")
+    import builtins
+
     from IPython.core.interactiveshell import InteractiveShell
+
+    # as in a kernel: with a builtins._ (left by an earlier doctest's displayhook)
+    # IPython would not set _ in the user namespace
+    monkeypatch.delattr(builtins, "_", raising=False)
 
     a, b, _ = trio_default
     saved_main = sys.modules["__main__"]
