@@ -8,7 +8,7 @@ import weakref
 import pytest
 import torch
 
-from nbrpc.agent import RpcFuture, fresh, outcome
+from nbrpc.agent import RpcFuture, fresh, outcome, wait_result
 from nbrpc.errors import RemoteTraceback, RpcTimeoutError, UnknownWorkerError, WorkerGoneError
 
 ERRORS = [WorkerGoneError("w1", "died"), RpcTimeoutError("RPC 'call'", 1.5, "w1"),
@@ -28,19 +28,21 @@ class Held:
     pass
 
 
-def _wait_and_fail(fut: RpcFuture) -> weakref.ref:
+def _wait_and_fail(fut: torch.futures.Future) -> weakref.ref:
     held = Held()  # a local of the frame the error is raised through
     try:
-        fut.wait()
+        fut.wait() if isinstance(fut, RpcFuture) else wait_result(fut)
     except WorkerGoneError:
         pass
     return weakref.ref(held)
 
 
-def test_an_error_raised_out_of_a_future_does_not_pin_the_raising_frames() -> None:
+@pytest.mark.parametrize("make", [RpcFuture, torch.futures.Future])
+def test_an_error_raised_out_of_a_future_does_not_pin_the_raising_frames(make) -> None:
     """The stored error must not get a traceback: torch keeps it in C++, where a
-    cycle through it is never collected."""
-    fut = RpcFuture()
+    cycle through it is never collected (RpcFuture.wait, and wait_result for the
+    plain torch futures of RRef values)."""
+    fut = make()
     fut.set_exception(WorkerGoneError("w1", "died"))
     ref = _wait_and_fail(fut)
     gc.collect()

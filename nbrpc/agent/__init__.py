@@ -11,9 +11,9 @@ from .agent import (
     set_default_agent,
 )
 from .asyncfn import check_future, is_async, mark_async
-from .futures import RpcFuture, block_until_done, detach, fresh, outcome
+from .futures import RpcFuture, detach, fresh, outcome, wait_result
 from .group import WorkerInfo
 
 __all__ = ["Agent", "AgentOptions", "Deferred", "Propagator", "RpcFuture", "Wire", "WorkerInfo",
-           "block_until_done", "check_future", "current_agent", "detach", "fresh", "is_async",
-           "mark_async", "outcome", "register_extension", "set_default_agent"]
+           "check_future", "current_agent", "detach", "fresh", "is_async", "mark_async",
+           "outcome", "register_extension", "set_default_agent", "wait_result"]

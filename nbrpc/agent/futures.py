@@ -55,19 +55,28 @@ class RpcFuture(torch.futures.Future):
                 "given to .then() or add_done_callback). That would deadlock: chain "
                 "another .then() instead of calling wait() or rpc_sync() in a callback."
             )
-        block_until_done(self)
+        _block_until_done(self)
 
 
-def block_until_done(fut: torch.futures.Future) -> None:
+def wait_result(fut: torch.futures.Future) -> Any:
     """Wait for any torch future as :meth:`RpcFuture.wait` does: Ctrl-C can
-    interrupt it, and a pool thread waiting here lets its pool start another
-    thread at once (see :mod:`nbrpc.agent.pool`). Raises nothing of ``fut``'s.
+    interrupt it, a pool thread waiting here lets its pool start another thread
+    at once (see :mod:`nbrpc.agent.pool`), and an error is raised as a fresh
+    copy (see the module docstring).
 
-    >>> f = torch.futures.Future(); f.set_result(3); block_until_done(f); f.value()
+    >>> f = torch.futures.Future(); f.set_result(3); wait_result(f)
     3
     """
-    if fut.done():
-        return
+    if not fut.done():
+        _block_until_done(fut)
+    result, error = outcome(fut)
+    if error is not None:
+        raise fresh(error)
+    return result
+
+
+def _block_until_done(fut: torch.futures.Future) -> None:
+    """Wait in short slices (Ctrl-C stays prompt), counted as blocked in a pool."""
     done = threading.Lock()  # released by the completing thread
     done.acquire()
     fut.add_done_callback(lambda _f: done.release())

@@ -21,6 +21,7 @@ them by pid (``psutil``) although they are not its own children.
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import os
@@ -264,8 +265,6 @@ def main() -> None:
     # (as Python's gc.freeze documentation advises): engines' full collections
     # skip them (short pauses, see nbrpc.agent.gcfreeze) and never write to
     # their pages, which thus stay shared with the zygote (copy-on-write).
-    import gc
-
     gc.freeze()
     _reply(1, {"ready": True, "pid": os.getpid()})
     serve()

@@ -29,15 +29,14 @@ import torch
 from ..agent import (
     Agent,
     WorkerInfo,
-    block_until_done,
     check_future,
     current_agent,
     detach,
-    fresh,
     is_async,
     mark_async,
     outcome,
     register_extension,
+    wait_result,
 )
 from ..agent.agent import Wire
 from ..errors import NbrpcError, WorkerGoneError
@@ -174,12 +173,7 @@ class RRef(Generic[T]):
             raise NbrpcError(
                 f"local_value() works only on the owner ({self.owner_name()!r}); this RRef "
                 f"is a user copy on {self._agent.name!r}. Call to_here() instead.")
-        value = self._ctx.entry(self._id).value
-        block_until_done(value)
-        result, error = outcome(value)
-        if error is not None:
-            raise fresh(error)
-        return result
+        return wait_result(self._ctx.entry(self._id).value)
 
     def to_here(self, timeout: float = -1.0) -> T:
         """The value, copied to this worker (waits for it to exist).
@@ -344,11 +338,7 @@ mark_async(_call_method_on_owner)
 
 def _backward_on_owner(rref_id: RRefId, ctx_id: int, retain_graph: bool) -> None:
     agent = current_agent()
-    entry_value = agent.ext["rref"].entry(rref_id).value
-    block_until_done(entry_value)
-    value, error = outcome(entry_value)
-    if error is not None:
-        raise fresh(error)
+    value = wait_result(agent.ext["rref"].entry(rref_id).value)
     if not isinstance(value, torch.Tensor):
         raise TypeError(f"RRef.backward needs a tensor value; RRef {rref_id} holds a "
                         f"{type(value).__name__}")
