@@ -26,6 +26,28 @@ def __getattr__(name):  # noqa: ANN001,ANN202 - lazy: ipyparallel loads only whe
     raise AttributeError(f"module 'nbrpc' has no attribute {name!r}")
 
 
+def show(obj=None, **options):  # noqa: ANN001,ANN201 - any nbrpc object
+    """The widget of an nbrpc object: a message trace, an RRef graph or owner
+    map (``show()`` alone: the group's RRef graph now), a backward stepper, a
+    cluster, or an RRef (the graph with that value selected).
+
+    Needs the notebook packages (anywidget, ipywidgets, matplotlib).
+    """
+    from . import views
+    from .debug import rref_graph
+    from .rref import RRef
+
+    if obj is None:
+        return rref_graph().widget(**options)
+    if isinstance(obj, RRef):
+        return rref_graph().widget(select=str(obj._id), **options)
+    if hasattr(obj, "widget"):  # traces, graphs, owner maps, steppers, clusters
+        return obj.widget(**options)
+    raise TypeError(f"nbrpc.show() shows traces, RRef graphs, owner maps, backward steppers, "
+                    f"clusters and RRefs; got a {type(obj).__name__}. Known views: "
+                    f"{', '.join(views.known()) or '(none loaded yet)'}")
+
+
 def load_ipython_extension(ip):  # noqa: ANN001,ANN201 - IPython's hook
     """``%load_ext nbrpc``: registers ``%rpc_cluster`` and ``%%rpc_on``."""
     from .jupyter.magics import load

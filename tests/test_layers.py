@@ -20,6 +20,11 @@ FORBIDDEN = {
 }
 
 
+# Only the Jupyter layer may import display libraries; core objects reach their
+# views through nbrpc.views, which loads nbrpc.jupyter by name.
+DISPLAY = {"IPython", "ipywidgets", "anywidget", "matplotlib", "ipykernel", "traitlets"}
+
+
 def _imports(path: Path) -> set[str]:
     tree = ast.parse(path.read_text())
     parts = path.relative_to(PKG.parent).with_suffix("").parts
@@ -44,6 +49,19 @@ def test_layers_import_downward_only() -> None:
             for name in _imports(path):
                 if any(name == f or name.startswith(f + ".") for f in forbidden):
                     problems.append(f"{path.relative_to(PKG.parent)} imports {name}")
+    assert not problems, "\n".join(problems)
+
+
+def test_only_the_jupyter_layer_imports_display_libraries() -> None:
+    problems = []
+    for path in sorted(PKG.rglob("*.py")):
+        if path.is_relative_to(PKG / "jupyter"):
+            continue
+        # nbrpc/__init__.py holds IPython's extension hooks, which load the layer
+        banned = DISPLAY if path == PKG / "__init__.py" else DISPLAY | {"nbrpc.jupyter"}
+        for name in _imports(path):
+            if any(name == f or name.startswith(f + ".") for f in banned):
+                problems.append(f"{path.relative_to(PKG.parent)} imports {name}")
     assert not problems, "\n".join(problems)
 
 

@@ -13,6 +13,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
+from .. import views
 from ..agent import Agent
 from .backward import (
     Flush,
@@ -183,6 +184,11 @@ class BackwardStepper:
                               "recv_leaves": dest[1]["leaves"] if dest else None})
         return {"context_id": self.context_id, "workers": workers, "links": links,
                 "current": self.pending[0] if self._queue else None}
+
+    def widget(self, **options: Any) -> Any:
+        """The stepper as a widget: the distributed graph, Step / Run / Reset, the
+        stage that just ran highlighted, gradient norms. Needs the notebook packages."""
+        return views.make("stepper", self, **options)
 
     def __repr__(self) -> str:
         state = "done" if self.done else f"{len(self._queue)} stage(s) pending"

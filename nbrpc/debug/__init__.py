@@ -31,10 +31,29 @@ import sys
 import types
 from typing import Any
 
-from .agent import current_agent, gcfreeze
-from .rref import RRef
+from .. import views
+from ..agent import current_agent, gcfreeze
+from ..rref import RRef
 
-Graph = dict[str, Any]
+
+class RRefGraph(dict):
+    """The group's RRefs as plain data (a dict; see :func:`rref_graph`), with a view."""
+
+    def widget(self, **options: Any) -> Any:
+        """The RRef graph widget (workers as lanes, values and their forks; click a
+        value for ``why_alive``). Needs the notebook packages."""
+        return views.make("rref_graph", self, **options)
+
+
+class OwnerMap(dict):
+    """Per worker, what it owns (a dict; see :func:`owner_map`), with a view and a plot."""
+
+    def widget(self, **options: Any) -> Any:
+        """The owner map widget: per worker its values, their holders and bytes."""
+        return views.make("owner_map", self, **options)
+
+
+Graph = RRefGraph
 
 
 def snapshot(events: int | None = 200) -> dict[str, Any]:
@@ -84,14 +103,14 @@ def rref_graph(snapshots: list[dict[str, Any]] | None = None) -> Graph:
     state_of = {(u["worker"], u["fork_id"]): u["state"] for u in users}
     edges = [(v["owner"], holder, rid, fork, state_of.get((holder, fork), "registered"))
              for rid, v in sorted(values.items()) for fork, holder in sorted(v["users"].items())]
-    return {"values": values, "users": users, "pending": pending, "edges": edges}
+    return RRefGraph(values=values, users=users, pending=pending, edges=edges)
 
 
-def owner_map(snapshots: list[dict[str, Any]] | None = None) -> dict[str, list[dict[str, Any]]]:
+def owner_map(snapshots: list[dict[str, Any]] | None = None) -> OwnerMap:
     """Per worker, the values it owns: id, type, size, state, who holds them."""
     snaps = gather(events=0) if snapshots is None else snapshots
     graph = rref_graph(snaps)
-    out: dict[str, list[dict[str, Any]]] = {s["name"]: [] for s in snaps}
+    out = OwnerMap({s["name"]: [] for s in snaps})
     for rid, v in sorted(graph["values"].items()):
         out.setdefault(v["owner"], []).append({
             "rref_id": rid, "type": v["type"], "nbytes": v["nbytes"], "state": v["state"],
