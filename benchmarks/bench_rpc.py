@@ -59,6 +59,11 @@ What is measured (rank 0 calling rank 1 over loopback):
    threads in a torch worker slow local compute on a 2-core machine down by up to
    10x); both columns show that one value. The gradients and the step are
    checked once after timing.
+9. Tracing (nbrpc only; torch has no equivalent, so its column repeats its
+   untraced figure and the ratio is traced nbrpc over plain torch): 1. and 2.
+   again inside ``nbrpc.debug.trace()``, and the time the block's exit takes to
+   gather and pair the messages. Tracing reads the agents' always-on event
+   logs, so rows 1.-2. are what "tracing off" costs.
 
 The targets from the issue are printed next to the metrics they apply to.
 Every loop is bounded, and each library's run is killed after ``--timeout``
@@ -95,7 +100,8 @@ LIBRARIES = ("nbrpc", "torch")
 MODULES = {"nbrpc": "nbrpc.rpc", "torch": "torch.distributed.rpc"}
 AUTOGRAD_MODULES = {"nbrpc": ("nbrpc.autograd", "nbrpc.optim"),
                     "torch": ("torch.distributed.autograd", "torch.distributed.optim")}
-CASES = ("rpc", "fork", "autograd")  # --cases: the two-worker RPC set, the cycles, autograd
+# --cases: the two-worker RPC set, the cycles, autograd, the same calls inside a trace
+CASES = ("rpc", "fork", "autograd", "trace")
 PEER = "worker1"
 OWNERS = ("worker1", "worker2")  # of the create/fork/delete cycles
 ECHO_SIZES = {"4 KB": 4 << 10, "1 MB": 1 << 20, "64 MB": 64 << 20}
@@ -424,7 +430,26 @@ def measure(rpc: Any, lib: str, cfg: Config, rec: dict[str, Any],
             ("dist autograd fwd+bwd+DistributedOptimizer.step", sum(cfg.autograd) + 1,
              lambda f: bench_autograd(rpc, lib, cfg, f, optimizer=True)),
         ]
+    if "trace" in cfg.cases and lib == "nbrpc":
+        steps.append(("traced rpc_sync and rpc_async", sum(cfg.sync),
+                      lambda f: bench_traced(rpc, cfg, f)))
     run_steps(steps, rec, save)
+
+
+def bench_traced(rpc: Any, cfg: Config, failures: list[str]) -> dict[str, float]:
+    """rpc_sync and rpc_async inside ``nbrpc.debug.trace()``, and the exit's cost."""
+    from nbrpc import debug
+
+    out: dict[str, float] = {}
+    for key, bench in (("sync", bench_sync), ("async", bench_async)):
+        tr = debug.trace()
+        with tr:
+            got = bench(rpc, cfg, failures)
+            t0 = time.perf_counter()
+        out.update({f"traced_{k}": v for k, v in got.items()})
+        out[f"trace_exit_{key}_ms"] = (time.perf_counter() - t0) * 1e3
+        out[f"trace_messages_{key}"] = len(tr.messages)
+    return out
 
 
 def cold_import_s(lib: str, runs: int) -> tuple[float | None, str | None]:
@@ -660,6 +685,16 @@ def build_rows(nb: dict[str, Any], tc: dict[str, Any], cfg: Config,
                 *metric("autograd_step_ms"), fmt="{:.2f}"),
             Row("… the same in one process, no RPC (ms/iter)",
                 *both("autograd_step_local_ms"), fmt="{:.2f}", ratio_ok=False),
+        ]
+    if "trace" in cfg.cases:
+        rows += [
+            Row("rpc_sync no-op inside debug.trace(), median (µs)",
+                _metric(nb, "traced_sync_median_us"), _metric(tc, "sync_median_us")),
+            Row("rpc_async no-op inside debug.trace() (calls/s)",
+                _metric(nb, "traced_async_calls_per_s"), _metric(tc, "async_calls_per_s"),
+                fmt="{:.0f}"),
+            Row("debug.trace() exit after the rpc_sync run (ms)",
+                _metric(nb, "trace_exit_sync_ms"), None, fmt="{:.1f}"),
         ]
     if "rpc" not in cfg.cases:
         return rows

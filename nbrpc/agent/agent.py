@@ -573,7 +573,7 @@ class Agent:
                 self._sent[peer] -= 1
             wire.unsent()
             raise
-        self.events.add("send", msg.op, self._peer_name(peer), mid, nbytes)
+        self.events.add("send", msg.op, self._peer_name(peer), mid, nbytes, None, _what(msg))
         return fut
 
     def _inject(self, fault: tuple[str, float], peer: int, kind: int, mid: int,
@@ -871,6 +871,16 @@ class Agent:
 
     def __repr__(self) -> str:
         return f"<nbrpc Agent {self.name!r} rank={self.rank} {self.state} at {self.address}>"
+
+
+def _what(msg: Any) -> str:
+    """What a request is about, for its event: the function called, or the RRef."""
+    fn = getattr(msg, "fn", None)
+    if fn is not None:  # Box.method; torch.mul's qualname is _VariableFunctionsClass.mul
+        name = getattr(fn, "__qualname__", None) or type(fn).__name__
+        return getattr(fn, "__name__", name) if name[0] == "_" else name
+    rref_id = getattr(msg, "rref_id", None)
+    return "" if rref_id is None else f"RRef {rref_id}"
 
 
 def _check_name(name: Any) -> None:

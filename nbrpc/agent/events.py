@@ -33,6 +33,13 @@ class EventLog:
             entries = entries[-last:] if last > 0 else []
         return [dict(zip(MESSAGE_FIELDS, e)) for e in entries]
 
+    def between(self, start: float, end: float) -> tuple[list[tuple], bool]:
+        """The raw entries logged from ``start`` to ``end`` (this log's clock), and
+        whether some of that window was already pushed out of the bounded log."""
+        entries = list(self._entries)
+        lost = len(entries) == self._entries.maxlen and entries[0][0] > start
+        return [e for e in entries if start <= e[0] <= end], lost
+
     def clear(self) -> None:
         self._entries.clear()
 

@@ -313,3 +313,9 @@ def _describe_referrer(ref: Any, obj: Any, user_ns: dict, out_hist: dict | None)
     if type(ref).__module__.startswith("IPython."):
         return [f"IPython output history ({type(ref).__name__})"]
     return [f"a {type(ref).__module__}.{type(ref).__qualname__} object"]
+
+
+from .trace import Trace, trace  # noqa: E402 - the trace module imports this package's deps
+
+__all__ = ["OwnerMap", "RRefGraph", "Trace", "forget_outputs", "gather", "owner_map",
+           "rref_graph", "rref_table", "snapshot", "to_networkx", "trace", "why_alive"]

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import html
 
+from ..debug.trace import family
+
 # One colour per family of messages and states (colour-blind-safe, Okabe-Ito).
 KIND_COLOURS = {
     "call": "#0072B2",      # rpc_sync / rpc_async / rref.rpc_*()
@@ -26,19 +28,6 @@ KIND_COLOURS = {
 }
 STATE_COLOURS = {"ready": "#2e7d32", "busy": "#ef6c00", "starting": "#1565c0",
                  "dead": "#c62828", "stopped": "#7f7f7f", "left": "#7f7f7f"}
-
-
-def family(op: str) -> str:
-    """The family of a message op: ``call``, ``rref``, ``rref-protocol``, ``autograd``."""
-    if op == "call":
-        return "call"
-    if op in ("rref_fork", "rref_child_accept", "rref_delete"):
-        return "rref-protocol"
-    if op in ("remote", "rref_fetch", "rref_cancel_fetch"):
-        return "rref"
-    if op.startswith("autograd"):
-        return "autograd"
-    return "other"
 
 
 def colour(kind: str) -> str:

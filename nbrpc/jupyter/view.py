@@ -123,7 +123,9 @@ class View(anywidget.AnyWidget):
     def static_html(self) -> str:
         """The view as it stands, as HTML that needs no JavaScript."""
         panel = f'<div class="nbrpc-panel">{self.panel}</div>' if self.panel else ""
-        status = f'<div style="color:#666">{esc(self.status)}</div>' if self.status else ""
+        # the status line is the live one (counts, rates, times): never compared
+        status = (f'<div style="color:#666">{varies(esc(self.status))}</div>'
+                  if self.status else "")
         return (f'<div class="nbrpc-static"><div><b>{esc(self.title)}</b></div>'
                 f"{self.html}{panel}{status}</div>")
 

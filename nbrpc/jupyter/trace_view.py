@@ -1,0 +1,221 @@
+"""The message trace as a sequence diagram, and its latency histogram.
+
+One lifeline per worker, one arrow per request (solid) and per reply
+(dashed), in time order, coloured by kind: calls, RRef values (``remote``,
+``to_here``), the RRef protocol (forks, accepts, deletes), autograd
+(gradients, credits). Hovering an arrow shows its size, id and latency;
+clicking it shows all its fields; the checkboxes hide kinds and workers.
+Rows are spaced by order (readable whatever the gaps between messages) or,
+with "to scale", by time.
+
+>>> from nbrpc.debug.trace import Trace
+>>> t = Trace(workers=["driver", "worker1"], duration=0.001, messages=[
+...     {"kind": "call", "op": "call", "what": "f", "src": "driver", "dst": "worker1",
+...      "msg_id": 1, "nbytes": 300, "t0": 0.0, "t1": 0.0001},
+...     {"kind": "reply", "op": "call", "what": "f", "src": "worker1", "dst": "driver",
+...      "msg_id": 1, "nbytes": 90, "t0": 0.0002, "t1": 0.0003, "latency": 0.0003,
+...      "error": None}])
+>>> svg = trace_svg(t)
+>>> svg.count('class="nbrpc-msg"'), 'data-f-kind="reply"' in svg
+(2, True)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..debug.trace import Trace, family
+from .svg import KIND_COLOURS, clip, colour, esc, fmt_bytes, svg
+from .view import View, toggle, varies
+
+MAX_DRAWN = 1500  # arrows drawn; the rest are summarised (the trace keeps them all)
+ROW = 16  # px between consecutive instants (order mode)
+TOP, LEFT = 40, 70
+
+
+def _lane_x(workers: list[str]) -> tuple[dict[str, float], float]:
+    col = max(90.0, min(170.0, 1100.0 / max(1, len(workers))))
+    return {w: LEFT + col / 2 + i * col for i, w in enumerate(workers)}, col
+
+
+def _workers(trace: Trace) -> list[str]:
+    names = list(trace.workers)
+    for m in trace.messages:
+        for w in (m["src"], m["dst"]):
+            if w not in names:
+                names.append(w)
+    return names
+
+
+def _rows(times: list[float], to_scale: bool, duration: float) -> dict[float, float]:
+    """y of each instant: evenly spaced by order, or proportional to time."""
+    ordered = sorted(set(times))
+    if not to_scale:
+        return {t: TOP + 20 + i * ROW for i, t in enumerate(ordered)}
+    span = max(duration, ordered[-1] if ordered else 0.0, 1e-9)
+    height = max(200.0, min(1600.0, ROW * len(ordered)))
+    return {t: TOP + 20 + t / span * height for t in ordered}
+
+
+def trace_svg(trace: Trace, to_scale: bool = False, limit: int = MAX_DRAWN) -> str:
+    """The sequence diagram of ``trace`` as an SVG element."""
+    workers = _workers(trace)
+    xs, col = _lane_x(workers)
+    drawn = [m for m in trace.messages if m["t0"] is not None or m["t1"] is not None][:limit]
+    more = len(trace.messages) - len(drawn)
+    events = trace.events[:limit]
+    times = [t for m in drawn for t in (m["t0"], m["t1"]) if t is not None]
+    times += [e["time"] for e in events]
+    y = _rows(times, to_scale, trace.duration)
+    bottom = max(y.values(), default=TOP + 20) + 30 + (16 if more else 0)
+    width = LEFT + col * len(workers) + 10
+    parts = ['<defs>' + "".join(
+        f'<marker id="nbrpc-arrow-{k}" viewBox="0 0 10 10" refX="10" refY="5" '
+        f'markerWidth="7" markerHeight="7" orient="auto-start-reverse">'
+        f'<path d="M0,0 L10,5 L0,10 z" fill="{c}"/></marker>'
+        for k, c in KIND_COLOURS.items()) + "</defs>"]
+    for w in workers:
+        parts.append(f'<g data-f="worker" data-f-worker="{esc(w)}">'
+                     f'<text x="{xs[w]:.1f}" y="{TOP - 14}" text-anchor="middle" '
+                     f'font-weight="bold">{esc(clip(w, 18))}</text>'
+                     f'<line x1="{xs[w]:.1f}" y1="{TOP - 6}" x2="{xs[w]:.1f}" y2="{bottom - 20}" '
+                     'stroke="#999" stroke-dasharray="2,3"/></g>')
+    last_label = -1e9
+    for t in sorted(y):  # a time axis on the left, labels at least 40 px apart
+        if y[t] - last_label >= 40:
+            parts.append(f'<text x="{LEFT - 8}" y="{y[t] + 4:.1f}" text-anchor="end" '
+                         f'fill="#888">{_ms(t)}</text>')
+            last_label = y[t]
+    for i, m in enumerate(drawn):
+        parts.append(_arrow(i, m, xs, y))
+    for e in events:
+        x, ey = xs.get(e["worker"], LEFT), y[e["time"]]
+        parts.append(
+            f'<g data-f="worker" data-f-worker="{esc(e["worker"])}"><rect x="{x - 4:.1f}" '
+            f'y="{ey - 4:.1f}" width="8" height="8" transform="rotate(45 {x:.1f} {ey:.1f})" '
+            f'fill="#555"><title>{esc(e["event"])} {esc(e["op"])} {esc(e["detail"])} '
+            f'({esc(e["peer"])}) at {_ms(e["time"])}</title></rect></g>')
+    if more:
+        parts.append(f'<text x="{LEFT}" y="{bottom - 8:.1f}" fill="#c62828">… and {more} more '
+                     "messages (t.messages and t.to_chrome_trace() have them all)</text>")
+    return svg(width, bottom, "".join(parts), f"message trace of {', '.join(workers)}")
+
+
+def _arrow(i: int, m: dict[str, Any], xs: dict[str, float], y: dict[float, float]) -> str:
+    kind = m["kind"]
+    fam = family(m["op"])
+    stroke = colour(fam)
+    x0, x1 = xs[m["src"]], xs[m["dst"]]
+    y0 = y[m["t0"]] if m["t0"] is not None else None
+    y1 = y[m["t1"]] if m["t1"] is not None else None
+    dash = ' stroke-dasharray="5,3"' if kind == "reply" else ""
+    if y0 is None:  # left before the trace started
+        y0, x0 = y1 - 8, x1 - (12 if x1 >= x0 else -12)
+    if y1 is None:  # not arrived within the trace
+        y1, x1 = y0 + 8, x0 + (0.5 * (x1 - x0) if x1 != x0 else 20)
+    marker = f"nbrpc-arrow-{fam if fam in KIND_COLOURS else 'other'}"
+    if x0 == x1:  # a member calling itself: a small loop
+        shape = (f'<path d="M{x0:.1f},{y0:.1f} C{x0 + 40:.1f},{y0:.1f} {x0 + 40:.1f},{y1:.1f} '
+                 f'{x0 + 1:.1f},{y1:.1f}" fill="none"')
+        lx, ly = x0 + 42, (y0 + y1) / 2 + 3
+    else:
+        shape = f'<line x1="{x0:.1f}" y1="{y0:.1f}" x2="{x1:.1f}" y2="{y1:.1f}"'
+        lx, ly = (x0 + x1) / 2, (y0 + y1) / 2 - 3
+    error = m.get("error")
+    label = ("↩ " if kind == "reply" else "") + clip(f"{m['op']} {m['what']}".strip(), 22)
+    tip = (f"{'reply to ' if kind == 'reply' else ''}{m['op']} {m['what']}".strip()
+           + f": {m['src']} → {m['dst']}, msg {m['msg_id']}, {fmt_bytes(m['nbytes'])}")
+    if m.get("latency") is not None:
+        tip += f", latency {m['latency'] * 1e6:.0f} µs"
+    if error:
+        tip += f" ({error})"
+    return (f'<g class="nbrpc-msg" data-key="{i}" data-f="kind worker" data-f-kind="{kind}" '
+            f'data-f-worker="{esc(m["src"])} {esc(m["dst"])}">'
+            f'{shape} stroke="{colour("error") if error else stroke}" stroke-width="1.6"{dash} '
+            f'marker-end="url(#{marker})"/><line x1="{x0:.1f}" y1="{y0:.1f}" x2="{x1:.1f}" '
+            f'y2="{y1:.1f}" stroke="transparent" stroke-width="8"/>'
+            f'<text x="{lx:.1f}" y="{ly:.1f}" text-anchor="middle" font-size="9" '
+            f'fill="{stroke}">{esc(label)}</text><title>{esc(tip)}</title></g>')
+
+
+def _ms(t: float) -> str:
+    return f"{t * 1e3:.3f} ms"
+
+
+def trace_html(trace: Trace) -> str:
+    """The static view of a trace (what a saved notebook shows): its summary and diagram."""
+    summary = "<br>".join(esc(line) for line in str(trace).splitlines())
+    return (f'<div class="nbrpc-static"><div>{summary}</div>'
+            f"{varies(trace_svg(trace))}</div>")
+
+
+class TraceView(View):
+    """A :class:`~nbrpc.debug.Trace` as a sequence diagram widget (``trace.widget()``)."""
+
+    def __init__(self, trace: Trace, to_scale: bool = False, limit: int = MAX_DRAWN) -> None:
+        super().__init__()
+        self.trace, self.to_scale, self.limit = trace, to_scale, limit
+        self.refresh()
+
+    def refresh(self) -> None:
+        t = self.trace
+        kinds = sorted({m["kind"] for m in t.messages})
+        self.title = (f"Message trace: {len(t.messages)} messages between "
+                      f"{len(_workers(t))} workers")
+        self.controls = [toggle("to_scale", "to scale", self.to_scale,
+                                "space rows by time instead of by order")]
+        self.filters = {"kind": kinds, "worker": _workers(t)}
+        self.html = varies(trace_svg(t, self.to_scale, self.limit))
+        lost = "; ".join(f"{k}: {v}" for k, v in sorted(t.lost.items()))
+        self.status = f"{t.duration * 1e3:.1f} ms traced" + (f"; lost {lost}" if lost else "")
+
+    def text(self) -> str:
+        return str(self.trace)
+
+    def on_control(self, id: str, value: Any = None) -> None:
+        if id != "to_scale":
+            super().on_control(id, value)
+        self.to_scale = bool(value)
+        self.refresh()
+
+    def on_select(self, key: str) -> None:
+        m = self.trace.messages[int(key)]
+        rows = "".join(f"<tr><td>{esc(k)}</td><td>{esc(_field(k, v))}</td></tr>"
+                       for k, v in m.items())
+        self.panel = f"<b>message {esc(key)}</b><table>{rows}</table>"
+
+
+def _field(key: str, value: Any) -> str:
+    if value is None:
+        return "—"
+    if key in ("t0", "t1"):
+        return _ms(value)
+    if key == "latency":
+        return f"{value * 1e6:.0f} µs"
+    if key == "nbytes":
+        return fmt_bytes(value)
+    return str(value)
+
+
+def plot_latencies(trace: Trace, bins: int = 30) -> Any:
+    """A histogram of reply latencies (the callers' waits, µs, log scale) per kind,
+    as a ``matplotlib.figure.Figure``."""
+    import numpy as np
+    from matplotlib.figure import Figure
+
+    lat = {k: np.array(v) * 1e6 for k, v in trace.latencies().items() if v}
+    fig = Figure(figsize=(6, 3), layout="constrained")
+    ax = fig.add_subplot()
+    if lat:
+        lo = max(1.0, min(v.min() for v in lat.values()))
+        hi = max(lo * 10, max(v.max() for v in lat.values()))
+        edges = np.geomspace(lo, hi, bins + 1)
+        kinds = sorted(lat)
+        ax.hist([lat[k] for k in kinds], bins=edges, stacked=True,
+                label=[f"{k} ({len(lat[k])})" for k in kinds], color=[colour(k) for k in kinds])
+        ax.set_xscale("log")
+        ax.legend()
+    ax.set_xlabel("latency (µs, the caller's wait)")
+    ax.set_ylabel("replies")
+    ax.set_title("message latency")
+    return fig

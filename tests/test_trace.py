@@ -1,0 +1,189 @@
+"""Message traces: what `debug.trace()` records between in-process agents, its
+Chrome trace-event export, and the sequence-diagram widget's state."""
+
+from __future__ import annotations
+
+import gc
+import json
+from collections import Counter
+
+import pytest
+import torch
+from conftest import local_group, poll_for
+
+from nbrpc import autograd as dist_autograd
+from nbrpc import debug
+from nbrpc.agent import set_default_agent
+from nbrpc.errors import RpcTimeoutError
+from nbrpc.rref import RRef, remote
+
+
+class Box:
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+
+def read(rref: RRef) -> int:
+    return rref.to_here().n
+
+
+def fail() -> None:
+    raise ValueError("no")
+
+
+@pytest.fixture
+def trio():
+    with local_group(["a", "b", "c"]) as agents:
+        set_default_agent(agents[0])
+        try:
+            yield agents
+        finally:
+            set_default_agent(None)
+
+
+def call(agent, to, fn, args):  # noqa: ANN001,ANN201
+    return agent.rpc_async(to, fn, args).wait()
+
+
+def kinds(t: debug.Trace) -> Counter:
+    """(kind, op, from, to) of the messages, less debug.rref_graph()'s own calls."""
+    return Counter((m["kind"], m["op"], m["src"], m["dst"]) for m in t.messages
+                   if m["what"] != "_snapshot_here")
+
+
+def test_a_trace_holds_the_calls_replies_and_rref_protocol_of_its_block(trio) -> None:
+    a, b, c = trio
+    call(a, "b", abs, (-1,))  # before the trace: not in it
+    with debug.trace() as t:
+        call(a, "b", abs, (-2,))
+        box = remote(a, "c", Box, (7,), {}, -1)
+        assert call(a, "b", read, (box,)) == 7  # forks the RRef to b
+        del box
+        gc.collect()
+        assert poll_for(lambda: not debug.rref_graph()["values"], timeout=5)
+    seen = kinds(t)
+    assert seen[("call", "call", "a", "b")] == 2
+    assert seen[("reply", "call", "b", "a")] == 2
+    assert seen[("rref", "remote", "a", "c")] == 1
+    assert seen[("rref", "rref_fetch", "b", "c")] == 1  # b's to_here
+    assert seen[("rref-protocol", "rref_fork", "b", "c")] == 1  # b registers with the owner
+    assert sum(op == "rref_delete" for _, op, _, _ in seen) >= 1
+    assert not t.lost
+    for m in t.messages:  # same host: one clock, so nothing arrives before it left
+        assert m["t0"] is not None and m["t1"] is not None, m
+        assert 0 <= m["t0"] <= m["t1"] <= t.duration + 0.05, m
+    calls = [m for m in t.messages if m["op"] == "call"]
+    assert {m["what"] for m in calls} == {"abs", "read", "_snapshot_here"}  # polls traced too
+    replies = [m for m in t.messages if m["kind"] == "reply"]
+    assert all(m["latency"] > 0 and m["error"] is None for m in replies)
+    assert [m["t0"] for m in t.messages] == sorted(m["t0"] for m in t.messages)
+    text = str(t)
+    assert text.splitlines()[0].startswith("Trace of a, b, c: ")
+    assert "  rref: 1 request, 1 reply  a -> c" in text.splitlines()
+
+
+def test_errors_timeouts_and_autograd_messages_are_traced(trio) -> None:
+    a, b, c = trio
+    x = torch.ones(3, requires_grad=True)
+    with debug.trace() as t:
+        c.faults.add("call", "drop", reply=True, times=1)  # c's next answer is lost
+        with pytest.raises(ValueError):
+            call(a, "b", fail, ())
+        with pytest.raises(RpcTimeoutError):
+            a.rpc_async("c", abs, (-1,), timeout=0.3).wait()
+        with dist_autograd.context() as ctx:
+            y = call(a, "b", torch.mul, (x, 2.0))
+            dist_autograd.backward(ctx, [y.sum()])
+    errors = Counter(m["error"] for m in t.messages if m["kind"] == "reply")
+    assert errors["raised"] == 1 and errors["timed out"] == 1
+    ops = {m["op"] for m in t.messages}
+    assert "autograd_grads" in ops and "autograd_release" in ops
+    stages = [e for e in t.events if e["event"] == "autograd-stage"]
+    assert {e["worker"] for e in stages} == {"a", "b"}
+
+
+def test_chrome_trace_is_valid_trace_event_json(trio, tmp_path) -> None:
+    a, b, c = trio
+    with debug.trace() as t:
+        futs = [a.rpc_async(w, abs, (-i,)) for i, w in enumerate(["b", "c"] * 5)]
+        [f.wait() for f in futs]
+        box = remote(a, "c", Box, (1,), {}, -1)
+        call(a, "b", read, (box,))
+    path = tmp_path / "trace.json"
+    doc = t.to_chrome_trace(path)
+    assert json.loads(path.read_text()) == json.loads(json.dumps(doc))
+    events = doc["traceEvents"]
+    names = {e["args"]["name"] for e in events if e["name"] == "process_name"}
+    assert names == {"a", "b", "c"}
+    for e in events:
+        assert e["ph"] in "MXsfi" and isinstance(e["pid"], int) and isinstance(e["tid"], int)
+        if e["ph"] != "M":
+            assert e["ts"] >= 0
+    starts = {e["id"]: e for e in events if e["ph"] == "s"}
+    ends = {e["id"]: e for e in events if e["ph"] == "f"}
+    complete = [m for m in t.messages if m["t0"] is not None and m["t1"] is not None]
+    assert starts.keys() == ends.keys() and len(starts) == len(complete) >= 24
+    for i, s in starts.items():
+        assert s["ts"] <= ends[i]["ts"]
+    slices: dict[tuple[int, int], list] = {}
+    for e in events:
+        if e["ph"] == "X":
+            slices.setdefault((e["pid"], e["tid"]), []).append((e["ts"], e["ts"] + e["dur"]))
+    assert sum(len(v) for v in slices.values()) >= 2 * 12  # a call and a serve per request
+    for spans in slices.values():  # slices on one thread never overlap
+        spans.sort()
+        assert all(prev[1] <= nxt[0] for prev, nxt in zip(spans, spans[1:])), spans
+
+
+def test_an_overflowed_event_log_is_reported_as_lost() -> None:
+    with local_group(["a", "b"], event_log_size=20) as (a, b):
+        set_default_agent(a)
+        try:
+            with debug.trace() as t:
+                for i in range(30):
+                    call(a, "b", abs, (-i,))
+        finally:
+            set_default_agent(None)
+    assert set(t.lost) == {"a", "b"} and "overflowed" in t.lost["a"]
+    assert "lost: a: its event log overflowed" in str(t)
+
+
+def test_the_widget_draws_each_message_and_filters_and_selects(trio) -> None:
+    from nbrpc.jupyter.trace_view import TraceView, plot_latencies, trace_html
+
+    a, b, c = trio
+    with debug.trace() as t:
+        for w in ("b", "c", "a"):
+            call(a, w, abs, (-1,))
+    view = t.widget()
+    assert isinstance(view, TraceView)
+    assert view.html.count('class="nbrpc-msg"') == len(t.messages) == 6
+    assert view.filters == {"kind": ["call", "reply"], "worker": ["a", "b", "c"]}
+    assert view.text() == str(t) and repr(view) == str(t)
+    view._on_front_end(view, {"event": "select", "key": "1"}, None)
+    assert f"<td>msg_id</td><td>{t.messages[1]['msg_id']}</td>" in view.panel
+    before = view.html
+    view._on_front_end(view, {"event": "control", "id": "to_scale", "value": True}, None)
+    assert view.to_scale and view.html != before
+    view._on_front_end(view, {"event": "control", "id": "nope"}, None)
+    assert "no control &#x27;nope&#x27;" in view.panel  # shown, not raised into the kernel
+    bundle, _ = view._repr_mimebundle_()
+    assert bundle["text/plain"] == str(t)
+    assert "application/vnd.jupyter.widget-view+json" in bundle
+    assert bundle["text/html"].count('class="nbrpc-msg"') == 6
+    assert trace_html(t).count('class="nbrpc-msg"') == 6
+    fig = plot_latencies(t)
+    assert [x.get_text() for x in fig.axes[0].get_legend().get_texts()] == ["call (3)"]
+    view.close()
+
+
+def test_the_widget_bounds_what_it_draws() -> None:
+    from nbrpc.jupyter.trace_view import trace_svg
+
+    msgs = [{"kind": "call", "op": "call", "what": "f", "src": f"w{i % 16}",
+             "dst": f"w{(i + 1) % 16}", "msg_id": i, "nbytes": 10, "t0": i * 1e-5,
+             "t1": i * 1e-5 + 5e-6} for i in range(5000)]
+    t = debug.Trace(workers=[f"w{i}" for i in range(16)], duration=0.05, messages=msgs)
+    svg = trace_svg(t, limit=1500)
+    assert svg.count('class="nbrpc-msg"') == 1500
+    assert "… and 3500 more messages" in svg
