@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .. import views
-from ..agent import Agent
+from ..agent import Agent, current_agent
 from .backward import (
     Flush,
     Grads,
@@ -150,10 +150,43 @@ class BackwardStepper:
             return s.kind
         return f"grads for send #{s.msg_id & 0xFFFF} from {self._agent._peer_name(s.sender)}"
 
-    def graph(self) -> dict[str, Any]:
-        """The distributed graph as plain data: per worker its autograd nodes
-        (``MmBackward0``, ...), leaves (received ones marked with their message),
-        sends and recvs; ``links``: send → recv pairs by autograd message id."""
+    def reset(self) -> None:
+        """Start the same backward pass over: clear the context's gradients on
+        every worker that took part, forget the stages run, queue the roots.
+        Needs ``retain_graph=True`` (a pass without it frees the graph)."""
+        if not self.retain_graph:
+            raise RuntimeError("reset() needs a stepper made with retain_graph=True: without "
+                               "it, the stages that ran have freed their part of the graph")
+        agent = self._agent
+        for data in self._workers().values():  # the gradients of earlier passes go
+            if data["rank"] == agent.rank:
+                _clear_gradients(self._ctx)
+            else:
+                agent.rpc_async(data["rank"], _clear_gradients_here, (self.context_id,)).wait()
+        self._ctx.passes.pop(self.pass_id, None)
+        self.pass_id = (agent.rank, next(_pass_ids))
+        self._lp = self._ctx.new_pass(agent.name, self.pass_id, True, roots=self.roots,
+                                      norms=True)
+        self._queue = deque([_Stage(agent.rank, "roots")])
+        self._blocked.clear()
+        self._flush_rounds = 0
+        self.records = []
+        self.failed = None
+
+    def gradient_of(self, leaf: Any) -> Any:
+        """The context's gradient of ``leaf``: a tensor of this worker, or an RRef
+        to a tensor on its owner (as ``DistributedOptimizer`` takes them); None
+        if it has none (yet)."""
+        if hasattr(leaf, "owner_name") and not leaf.is_owner():
+            return self._agent.rpc_async(leaf.owner_name(), _gradient_here,
+                                         (self.context_id, leaf)).wait()
+        if hasattr(leaf, "owner_name"):
+            leaf = leaf.local_value()
+        with self._ctx.lock:
+            return self._ctx.grads.get(leaf)
+
+    def _workers(self) -> dict[str, dict[str, Any]]:
+        """Each worker's part of the graph, found breadth first from this one."""
         agent = self._agent
         workers: dict[str, dict[str, Any]] = {}
         todo, seen = [agent.rank], {agent.rank}
@@ -174,6 +207,13 @@ class BackwardStepper:
                 nxt += [r for r in data["known"] if r not in seen and r in agent._members]
                 seen.update(data["known"])
             todo = nxt
+        return workers
+
+    def graph(self) -> dict[str, Any]:
+        """The distributed graph as plain data: per worker its autograd nodes
+        (``MmBackward0``, ...), leaves (received ones marked with their message),
+        sends and recvs; ``links``: send → recv pairs by autograd message id."""
+        workers = self._workers()
         recv_at = {r["msg_id"]: (w, r) for w, d in workers.items() for r in d["recvs"]}
         links = []
         for w, d in workers.items():
@@ -194,3 +234,20 @@ class BackwardStepper:
         state = "done" if self.done else f"{len(self._queue)} stage(s) pending"
         return (f"<BackwardStepper context={self.context_id} {len(self.records)} stage(s) "
                 f"run, {state}>")
+
+
+def _clear_gradients(ctx: Any) -> None:
+    with ctx.lock:
+        ctx.grads.clear()
+
+
+def _clear_gradients_here(ctx_id: int) -> None:
+    """Runs on a worker of the pass (``reset``)."""
+    _clear_gradients(contexts_of(current_agent("BackwardStepper.reset")).get(ctx_id))
+
+
+def _gradient_here(ctx_id: int, rref: Any) -> Any:
+    """Runs on the owner of ``rref`` (``gradient_of``)."""
+    ctx = contexts_of(current_agent("BackwardStepper.gradient_of")).get(ctx_id)
+    with ctx.lock:
+        return ctx.grads.get(rref.local_value())
