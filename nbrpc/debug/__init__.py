@@ -80,8 +80,9 @@ def rref_graph(snapshots: list[dict[str, Any]] | None = None) -> Graph:
     ``values``: rref id → owner, state, type, size, creation site, age,
     owner-side object count, and ``users`` (fork id → holding worker).
     ``users``: every user fork with its worker, owner, parent, state.
-    ``pending``: forks sent but not yet accepted (parent → child).
-    ``edges``: (owner, holder, rref id, fork id, state) for drawing.
+    ``pending``: forks sent but not yet accepted (parent → child, with the
+    rref id). ``edges``: (owner, holder, rref id, fork id, state) for drawing.
+    ``workers``: the members' names, by rank.
     """
     snaps = gather(events=0) if snapshots is None else snapshots
     values: dict[str, dict[str, Any]] = {}
@@ -89,6 +90,8 @@ def rref_graph(snapshots: list[dict[str, Any]] | None = None) -> Graph:
     pending: list[dict[str, Any]] = []
     for snap in snaps:
         rr = snap.get("rrefs", {})
+        rid_of = {c["fork_id"]: e["rref_id"] for key in ("owned", "users")
+                  for e in rr.get(key, []) for c in e.get("pending_children", [])}
         for v in rr.get("owned", []):
             values[v["rref_id"]] = {
                 "owner": snap["name"], "state": v["state"], "type": v["type"],
@@ -98,12 +101,13 @@ def rref_graph(snapshots: list[dict[str, Any]] | None = None) -> Graph:
             users.append({**{k: u[k] for k in ("rref_id", "fork_id", "owner", "parent",
                                                 "state", "site")}, "worker": snap["name"]})
         for c in rr.get("children", []):
-            pending.append({"fork_id": c["fork_id"], "from": snap["name"], "to": c["to"],
-                            "age": c["age"]})
+            pending.append({"fork_id": c["fork_id"], "rref_id": rid_of.get(c["fork_id"]),
+                            "from": snap["name"], "to": c["to"], "age": c["age"]})
     state_of = {(u["worker"], u["fork_id"]): u["state"] for u in users}
     edges = [(v["owner"], holder, rid, fork, state_of.get((holder, fork), "registered"))
              for rid, v in sorted(values.items()) for fork, holder in sorted(v["users"].items())]
-    return RRefGraph(values=values, users=users, pending=pending, edges=edges)
+    return RRefGraph(values=values, users=users, pending=pending, edges=edges,
+                     workers=[s["name"] for s in snaps])
 
 
 def owner_map(snapshots: list[dict[str, Any]] | None = None) -> OwnerMap:
@@ -271,6 +275,51 @@ def forget_outputs() -> int:
     return dropped
 
 
+def forget_outputs_everywhere(timeout: float = 10.0) -> dict[str, int]:
+    """:func:`forget_outputs` on this member and on every other one (by RPC):
+    how many output-history references each dropped, by name."""
+    agent = current_agent("debug.forget_outputs_everywhere")
+    dropped = {agent.name: forget_outputs()}  # here first (the notebook's kernel)
+    futs = {w.name: agent.rpc_async(w.id, forget_outputs, (), timeout=timeout)
+            for w in agent.worker_infos() if w.name != agent.name}
+    dropped.update({name: f.wait() for name, f in futs.items()})
+    return dict(sorted(dropped.items()))
+
+
+def output_refs(timeout: float = 10.0) -> dict[str, dict[str, list[str]]]:
+    """Per member, the RRefs that IPython's output history keeps (a cell displayed
+    them): ``{worker: {rref id: ["Out[4]", "_"]}}``. Cheap: it looks at the output
+    names only, not at every referrer (:func:`why_alive` does that)."""
+    agent = current_agent("debug.output_refs")
+    futs = {w.name: agent.rpc_async(w.id, _outputs_here, (), timeout=timeout)
+            for w in agent.worker_infos()}
+    return {name: found for name, f in futs.items() if (found := f.wait())}
+
+
+def _outputs_here() -> dict[str, list[str]]:
+    """This member's RRefs held by IPython's output names (``Out[n]``, ``_``, ``_n``)."""
+    agent = current_agent()
+    ns = getattr(sys.modules.get("__main__"), "__dict__", {})
+    if not callable(ns.get("get_ipython")):
+        return {}
+    found: dict[str, set[str]] = {}
+
+    def note(value: Any, where: str) -> None:
+        items = value if isinstance(value, (list, tuple, set)) else (
+            value.values() if isinstance(value, dict) else (value,))
+        for x in list(items)[:1000]:
+            if isinstance(x, RRef) and x._agent is agent:
+                found.setdefault(str(x._id), set()).add(where)
+
+    out = ns.get("Out")
+    for k, v in list(out.items()) if isinstance(out, dict) else []:
+        note(v, f"Out[{k}]")
+    for k, v in list(ns.items()):
+        if _is_output_name(k):
+            note(v, k)
+    return {rid: sorted(w) for rid, w in sorted(found.items())}
+
+
 def _has_rref(v: Any) -> bool:
     if isinstance(v, RRef):
         return True
@@ -317,5 +366,6 @@ def _describe_referrer(ref: Any, obj: Any, user_ns: dict, out_hist: dict | None)
 
 from .trace import Trace, trace  # noqa: E402 - the trace module imports this package's deps
 
-__all__ = ["OwnerMap", "RRefGraph", "Trace", "forget_outputs", "gather", "owner_map",
-           "rref_graph", "rref_table", "snapshot", "to_networkx", "trace", "why_alive"]
+__all__ = ["OwnerMap", "RRefGraph", "Trace", "forget_outputs", "forget_outputs_everywhere",
+           "gather", "output_refs", "owner_map", "rref_graph", "rref_table", "snapshot",
+           "to_networkx", "trace", "why_alive"]

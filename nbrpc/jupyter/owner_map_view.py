@@ -1,0 +1,243 @@
+"""The owner map: per worker, what it owns, who holds it, and how many bytes.
+
+Left, one horizontal bar per worker: the bytes of the values it owns,
+split by holder (a value held by k workers gives each an equal share, so the
+bar's length is the bytes owned; values no user holds are "owner only").
+Right, a worker × worker matrix: owner rows, holder columns, each cell the
+number of values and their bytes that the holder has a fork of. Clicking a
+worker's row lists its values in the side panel. :func:`plot_owner_map`
+draws the bars with matplotlib for static images.
+
+>>> omap = {"a": [], "b": [{"rref_id": "0:1", "type": "torch.Tensor", "nbytes": 4096,
+...     "state": "ready", "held_by": ["a"], "owner_refs": 0, "site": "x.py:3"}]}
+>>> print(owner_map_text(omap))
+Owner map: 1 value, 4.0 KiB on 2 workers
+  a: owns 0 values, 0 B
+  b: owns 1 value, 4.0 KiB; held by a: 1 (4.0 KiB)
+>>> owner_map_svg(omap).count('class="nbrpc-owner"')
+2
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Any
+
+from .. import debug
+from .svg import clip, esc, fmt_bytes, svg
+from .view import View, button
+
+OWNER_ONLY = "(owner only)"
+PANEL_LIMIT = 300  # values listed in the panel
+MAX_WORKERS = 64  # rows and columns drawn; the rest are summarised
+# one colour per holder (Okabe-Ito, then greys); the owner-only share is light grey
+PALETTE = ["#0072B2", "#009E73", "#E69F00", "#CC79A7", "#56B4E9", "#D55E00", "#F0E442",
+           "#000000", "#7f7f7f", "#a6761d", "#1b9e77", "#7570b3"]
+OWNER_ONLY_COLOUR = "#d0d0d0"
+
+
+def holders_of(omap: dict[str, list[dict[str, Any]]]) -> list[str]:
+    """Every holder, owners' order first, then the others (gone workers) sorted."""
+    seen = [w for w in omap]
+    extra = sorted({h for rows in omap.values() for r in rows for h in r["held_by"]}
+                   - set(seen))
+    return seen + extra
+
+
+def split_bytes(omap: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, float]]:
+    """owner -> holder -> bytes (each value's bytes shared equally by its holders)."""
+    out: dict[str, dict[str, float]] = {}
+    for owner, rows in omap.items():
+        share: dict[str, float] = defaultdict(float)
+        for r in sorted(rows, key=lambda r: r["rref_id"]):  # the same sums in any order
+            holders = r["held_by"] or [OWNER_ONLY]
+            for h in holders:
+                share[h] += (r["nbytes"] or 0) / len(holders)
+        out[owner] = dict(share)
+    return out
+
+
+def matrix(omap: dict[str, list[dict[str, Any]]]) -> dict[tuple[str, str], tuple[int, int]]:
+    """(owner, holder) -> (values the holder has a fork of, their bytes)."""
+    cells: dict[tuple[str, str], list[int]] = defaultdict(lambda: [0, 0])
+    for owner, rows in omap.items():
+        for r in rows:
+            for h in r["held_by"]:
+                cells[owner, h][0] += 1
+                cells[owner, h][1] += r["nbytes"] or 0
+    return {k: (v[0], v[1]) for k, v in cells.items()}
+
+
+def owner_map_text(omap: dict[str, list[dict[str, Any]]]) -> str:
+    """Deterministic summary: one line per worker (by rank), holders sorted."""
+    n = sum(len(rows) for rows in omap.values())
+    total = sum(r["nbytes"] or 0 for rows in omap.values() for r in rows)
+    lines = [f"Owner map: {n} value{'' if n == 1 else 's'}, {fmt_bytes(total)} on "
+             f"{len(omap)} worker{'' if len(omap) == 1 else 's'}"]
+    cells = matrix(omap)
+    for owner, rows in omap.items():
+        size = sum(r["nbytes"] or 0 for r in rows)
+        held = "; held by " + ", ".join(
+            f"{h}: {cells[owner, h][0]} ({fmt_bytes(cells[owner, h][1])})"
+            for h in holders_of(omap) if (owner, h) in cells) if rows else ""
+        lines.append(f"  {owner}: owns {len(rows)} value{'' if len(rows) == 1 else 's'}, "
+                     f"{fmt_bytes(size)}{held if any(r['held_by'] for r in rows) else ''}")
+    return "\n".join(lines)
+
+
+def owner_map_svg(omap: dict[str, list[dict[str, Any]]], max_workers: int = MAX_WORKERS) -> str:
+    """The bars (bytes owned, by holder) and the owner × holder matrix as one SVG."""
+    owners = list(omap)[:max_workers]
+    holders = holders_of(omap)[:max_workers]
+    colours = {h: PALETTE[i % len(PALETTE)] for i, h in enumerate(holders)}
+    colours[OWNER_ONLY] = OWNER_ONLY_COLOUR
+    shares, cells = split_bytes(omap), matrix(omap)
+    biggest = max([sum(s.values()) for s in shares.values()] + [1])
+    name_w, bar_w, row, top = 90, 260, 22, 46
+    cell_w = max(44, min(80, 640 // max(1, len(holders))))
+    mx = name_w + bar_w + 90
+    width = mx + cell_w * len(holders) + 10
+    height = top + row * len(owners) + 40
+    parts = [f'<text x="{name_w}" y="14" font-weight="bold">bytes owned, by holder</text>',
+             f'<text x="{mx}" y="14" font-weight="bold">values held (owner row → holder '
+             "column)</text>"]
+    for j, h in enumerate(holders):
+        cx = mx + j * cell_w + cell_w / 2
+        parts.append(f'<text x="{cx:.0f}" y="{top - 8}" text-anchor="middle" font-size="10">'
+                     f"{esc(clip(h, 9))}<title>{esc(h)}</title></text>")
+    biggest_cell = max([b for _, b in cells.values()] + [1])
+    for i, owner in enumerate(owners):
+        y = top + i * row
+        rows = omap[owner]
+        size = sum(r["nbytes"] or 0 for r in rows)
+        segs, x = [], float(name_w)
+        for h in [*holders, OWNER_ONLY]:
+            b = shares[owner].get(h, 0.0)
+            if b <= 0:
+                continue
+            w = bar_w * b / biggest
+            segs.append(f'<rect x="{x:.1f}" y="{y + 3}" width="{max(w, 1):.1f}" '
+                        f'height="{row - 6}" fill="{colours[h]}"><title>{esc(owner)}: '
+                        f"{fmt_bytes(b)} held by {esc(h)}</title></rect>")
+            x += w
+        parts.append(
+            f'<g class="nbrpc-owner" data-key="worker:{esc(owner)}" data-f="worker" '
+            f'data-f-worker="{esc(owner)}"><rect x="0" y="{y}" width="{width:.0f}" '
+            f'height="{row}" fill="{"#f3f6f9" if i % 2 == 0 else "#ffffff"}"/>'
+            f'<text x="4" y="{y + 15}" font-weight="bold">{esc(clip(owner, 13))}</text>'
+            f'{"".join(segs)}<text x="{x + 4:.0f}" y="{y + 15}" font-size="10" fill="#555">'
+            f"{len(rows)} · {fmt_bytes(size)}</text>")
+        for j, h in enumerate(holders):
+            n, b = cells.get((owner, h), (0, 0))
+            cx = mx + j * cell_w
+            shade = 0.12 + 0.78 * (b / biggest_cell) if n else 0.0
+            parts.append(
+                f'<rect x="{cx + 1}" y="{y + 1}" width="{cell_w - 2}" height="{row - 2}" '
+                f'fill="#0072B2" fill-opacity="{shade:.2f}" stroke="#ddd"><title>{esc(h)} holds '
+                f"{n} value(s) of {esc(owner)}: {fmt_bytes(b)}</title></rect>"
+                + (f'<text x="{cx + cell_w / 2:.0f}" y="{y + 15}" text-anchor="middle" '
+                   f'font-size="10" fill="{"#fff" if shade > 0.5 else "#222"}">{n}</text>'
+                   if n else ""))
+        parts.append("</g>")
+    more = len(omap) - len(owners)
+    y = top + row * len(owners) + 16
+    legend, lx = [], float(name_w)
+    for h in [*holders[:10], OWNER_ONLY]:
+        legend.append(f'<rect x="{lx:.0f}" y="{y - 9}" width="10" height="10" '
+                      f'fill="{colours[h]}"/><text x="{lx + 13:.0f}" y="{y}" font-size="10">'
+                      f"{esc(clip(h, 14))}</text>")
+        lx += 22 + 6 * len(clip(h, 14))
+    if more:
+        legend.append(f'<text x="4" y="{y + 18}" fill="#c62828">… and {more:,} more workers'
+                      "</text>")
+    return svg(width, height + (18 if more else 0), "".join(parts + legend),
+               f"owner map of {len(omap)} workers")
+
+
+def owner_map_html(omap: dict[str, list[dict[str, Any]]]) -> str:
+    """The static view of an owner map (what a saved notebook shows)."""
+    summary = owner_map_text(omap).splitlines()[0]
+    return f'<div class="nbrpc-static"><div><b>{esc(summary)}</b></div>{owner_map_svg(omap)}</div>'
+
+
+def values_html(owner: str, rows: list[dict[str, Any]], limit: int = PANEL_LIMIT) -> str:
+    """The panel's list of one worker's values."""
+    body = "".join(
+        f"<tr><td>{esc(r['rref_id'])}</td><td>{esc(r['type'] or '?')}</td>"
+        f"<td>{esc(fmt_bytes(r['nbytes']))}</td><td>{esc(', '.join(r['held_by']) or '—')}</td>"
+        f"<td>{esc(r['site'])}</td></tr>" for r in rows[:limit])
+    more = (f"<div>… and {len(rows) - limit:,} more</div>" if len(rows) > limit else "")
+    return (f"<b>{esc(owner)} owns {len(rows)} value(s)</b><table><tr><th>id</th><th>type</th>"
+            f"<th>size</th><th>held by</th><th>created at</th></tr>{body}</table>{more}")
+
+
+class OwnerMapView(View):
+    """An :class:`~nbrpc.debug.OwnerMap` as a widget (``debug.owner_map().widget()``).
+
+    ``omap=None`` reads :func:`nbrpc.debug.owner_map` now; Refresh reads it again.
+    """
+
+    def __init__(self, omap: dict[str, list[dict[str, Any]]] | None = None) -> None:
+        super().__init__()
+        self._given = omap
+        self.selected: str | None = None
+        self.refresh()
+
+    def refresh(self) -> None:
+        omap, self._given = (self._given, None) if self._given is not None else (
+            debug.owner_map(), None)
+        self.omap = omap
+        n = sum(len(rows) for rows in omap.values())
+        self.title = f"Owner map: {n} value{'' if n == 1 else 's'} on {len(omap)} workers"
+        self.controls = [button("refresh", "Refresh")]
+        self.filters = {"worker": list(omap)[:MAX_WORKERS]}
+        self.html = owner_map_svg(omap)
+        if self.selected in omap:
+            self.panel = values_html(self.selected, omap[self.selected])
+        total = sum(r["nbytes"] or 0 for rows in omap.values() for r in rows)
+        self.status = f"{fmt_bytes(total)} owned in all"
+
+    def text(self) -> str:
+        return owner_map_text(self.omap)
+
+    def on_control(self, id: str, value: Any = None) -> None:
+        if id != "refresh":
+            super().on_control(id, value)
+        self.refresh()
+
+    def on_select(self, key: str) -> None:
+        owner = key.removeprefix("worker:")
+        if owner not in self.omap:
+            raise KeyError(f"no worker {owner!r} in this owner map; known: "
+                           f"{', '.join(self.omap)}")
+        self.selected = owner
+        self.panel = values_html(owner, self.omap[owner])
+
+
+def plot_owner_map(omap: dict[str, list[dict[str, Any]]] | None = None) -> Any:
+    """Bytes owned per worker, stacked by holder, as a ``matplotlib.figure.Figure``
+    (``omap=None``: :func:`nbrpc.debug.owner_map` now)."""
+    from matplotlib.figure import Figure
+
+    omap = debug.owner_map() if omap is None else omap
+    owners = list(omap)[:MAX_WORKERS]
+    named = holders_of(omap)[:len(PALETTE) - 1]
+    shares = {o: dict(s) for o, s in split_bytes(omap).items()}
+    for s in shares.values():  # holders past the palette: one "other holders" share
+        s["other holders"] = sum(b for h, b in s.items() if h not in named and h != OWNER_ONLY)
+    holders = [*named, "other holders", OWNER_ONLY]
+    fig = Figure(figsize=(6, 0.6 + 0.35 * max(2, len(owners))), layout="constrained")
+    ax = fig.add_subplot()
+    left = [0.0] * len(owners)
+    for i, h in enumerate(holders):
+        widths = [shares[o].get(h, 0.0) for o in owners]
+        if any(widths):
+            ax.barh(owners, widths, left=left, label=h,
+                    color=OWNER_ONLY_COLOUR if h == OWNER_ONLY else PALETTE[i % len(PALETTE)])
+            left = [a + b for a, b in zip(left, widths)]
+    ax.invert_yaxis()  # rank order, top down
+    ax.set_xlabel("bytes owned")
+    ax.set_title("bytes owned per worker, by holder")
+    if any(left):
+        ax.legend(fontsize=8)
+    return fig
