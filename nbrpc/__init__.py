@@ -49,14 +49,17 @@ def show(obj=None, **options):  # noqa: ANN001,ANN201 - any nbrpc object
 
 
 def load_ipython_extension(ip):  # noqa: ANN001,ANN201 - IPython's hook
-    """``%load_ext nbrpc``: registers ``%rpc_cluster`` and ``%%rpc_on``."""
+    """``%load_ext nbrpc``: registers ``%rpc_cluster`` and ``%%rpc_on``, and the rich
+    (HTML) displays of RRefs, futures, cluster statuses, RRef graphs, traces and
+    backward steppers."""
     from .jupyter.magics import load
 
     load(ip)
 
 
 def unload_ipython_extension(ip):  # noqa: ANN001,ANN201 - IPython's hook
-    """``%unload_ext nbrpc``: stops the kernel's cluster, if one runs."""
+    """``%unload_ext nbrpc``: stops the kernel's cluster, if one runs, and removes
+    the rich displays."""
     from .jupyter.magics import unload
 
     unload(ip)

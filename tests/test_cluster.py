@@ -180,6 +180,8 @@ def own_cluster() -> None:
 
 # -- shared cluster: status ---------------------------------------------------
 def test_status_text_is_deterministic_and_html_has_pids(cluster: Cluster) -> None:
+    from nbrpc.jupyter.cluster_view import cluster_html
+
     status = _wait_all_ready(cluster)
     text = str(status)
     assert text == textwrap.dedent("""\
@@ -189,14 +191,60 @@ def test_status_text_is_deterministic_and_html_has_pids(cluster: Cluster) -> Non
           1     worker1  ready
           2     worker2  ready""")
     assert repr(status) == text == str(_wait_all_ready(cluster))
-    page = status._repr_html_()
+    page = cluster_html(status)
     rows = {w.name: w for w in status.workers}
     assert rows["driver"].pid == os.getpid()
     for name in ("worker1", "worker2"):
         assert rows[name].pid == cluster.workers[name].pid
     for w in status.workers:
         assert w.pid and w.host
-        assert f"<td>{w.pid}</td>" in page and f"<td>{html.escape(w.host)}</td>" in page
+        assert f"<td>{html.escape(w.host)}</td><td>{w.pid}</td>" in page
+
+
+def test_status_counts_owned_bytes_and_messages(cluster: Cluster) -> None:
+    before = _wait_all_ready(cluster)
+    kept = rpc.remote("worker1", torch.zeros, args=(1000,))  # 4,000 bytes on worker1
+    assert kept.to_here(timeout=10).shape == (1000,)
+    after = cluster.status()
+    w1, w1_before = after["worker1"], before["worker1"]
+    assert w1.owned_rrefs == w1_before.owned_rrefs + 1
+    assert w1.owned_bytes >= w1_before.owned_bytes + 4000
+    assert w1.messages > w1_before.messages and w1.bytes_moved > w1_before.bytes_moved
+    assert after["driver"].messages > before["driver"].messages
+    del kept
+    assert poll_for(lambda: cluster.status()["worker1"].owned_rrefs == w1_before.owned_rrefs, 5)
+
+
+# -- shared cluster: the live view ---------------------------------------------
+def _live_views() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == "nbrpc-live-view"]
+
+
+def test_the_live_view_marks_a_killed_worker_dead_and_its_button_restarts_it(
+        cluster: Cluster) -> None:
+    view = cluster.widget()
+    try:
+        assert view.is_live and len(_live_views()) == 1
+        assert view.text() == str(_wait_all_ready(cluster))
+        assert poll_for(lambda: view.rates.get("worker1") is not None, 5)  # two refreshes
+        pid = view["worker2"].pid
+        assert pid == cluster.workers["worker2"].pid
+        psutil.Process(pid).send_signal(signal.SIGKILL)
+        t0 = time.monotonic()
+        poll_or_fail(lambda: view["worker2"].state == "dead", 8,
+                     lambda: f"worker2 shown dead; the view shows:\n{view.text()}")
+        assert time.monotonic() - t0 < 6
+        assert 'background:#fdecea' in view.html and "1 ready, 1 dead" in view.title
+
+        view.on_select("restart:worker2")  # the row's button: returns at once
+        assert view.action_running or "done: restarting worker2" in view.status
+        assert view.wait_action(60), "the restart did not finish"
+        assert "done: restarting worker2" in view.status, view.status
+        assert view["worker2"].state == "ready" and view["worker2"].pid not in (None, pid)
+        assert rpc.rpc_sync("worker2", os.getpid) == view["worker2"].pid
+    finally:
+        view.close()
+    assert not _live_views()
 
 
 def test_engines_inherit_the_zygotes_frozen_imports(cluster: Cluster) -> None:
@@ -354,6 +402,31 @@ def test_twenty_start_stop_cycles_leak_nothing(own_cluster: None) -> None:
         [t.name for t in threading.enumerate()]
     assert poll_for(lambda: me.num_fds() <= base_fds + 2, 5), (me.num_fds(), base_fds)
     assert set(me.children(recursive=True)) - earlier == set()
+
+
+# -- own clusters: the view's Stop button, and live refresh ending with the cluster --
+def test_the_live_view_stops_with_its_cluster_and_its_stop_button_stops_it(
+        own_cluster: None) -> None:
+    cluster = Cluster(progress=False).start(1)
+    try:
+        view = cluster.widget()
+        cluster.stop()  # from the notebook: the live refresh ends, the view says so
+        poll_or_fail(lambda: not _live_views(), 5, "the live refresh to end")
+        assert view.text() == "nbrpc cluster (no workers): stopped"
+        assert view.status.startswith("not live")
+        view.close()
+
+        cluster.start(1)
+        view = cluster.widget()
+        assert view.is_live and view.count("ready") == 1
+        view.on_control("stop")  # the Stop button
+        assert view.wait_action(30) and cluster.state == "stopped"
+        assert "done: stopping the cluster" in view.status
+        poll_or_fail(lambda: not _live_views(), 5, "the live refresh to end")
+        assert view.text() == "nbrpc cluster (no workers): stopped"
+        view.close()
+    finally:
+        cluster.stop()
 
 
 # -- own clusters: stop() never hangs -----------------------------------------

@@ -37,7 +37,12 @@ class Kernel:
             elif msg["msg_type"] == "error":
                 out.append("\n".join(msg["content"]["traceback"]))
 
-        reply = self.kc.execute_interactive(code, timeout=timeout, output_hook=hook)
+        for _ in range(5):  # bounded
+            reply = self.kc.execute_interactive(code, timeout=timeout, output_hook=hook)
+            # ipykernel aborts the requests that reach it while it still clears its
+            # queue after an error (stop_on_error): such a cell never ran; send it again
+            if reply["content"]["status"] != "aborted":
+                break
         return "".join(out), reply["content"]
 
     def ok(self, code: str, timeout: float = 60.0) -> str:
@@ -66,6 +71,16 @@ c = rpc_cluster
 pids = [c._zygote.pid, c._controller_proc.pid] + [p.pid for w in c.workers.values() for p in w.procs]
 pids += [p.pid for p in c._controller_proc.children(recursive=True)]  # its heart monitor
 print(json.dumps(pids))
+"""
+
+
+LIVE_VIEWS_END = """
+import threading, time
+for _ in range(100):
+    live = [t.name for t in threading.enumerate() if t.name == "nbrpc-live-view"]
+    if not live: break
+    time.sleep(0.05)
+print(live)
 """
 
 
@@ -103,6 +118,9 @@ def test_interrupt_restart_and_start_again_in_one_kernel(kernel: Kernel) -> None
     out = kernel.ok("s = %rpc_cluster start 2\nprint(s)")
     assert "2 workers ready" in out
     assert "application/vnd.jupyter.widget-view+json" in kernel.displayed  # the progress bar
+    # in a kernel the magic returns the live cluster view (its text is the status's)
+    assert kernel.ok("print(type(s).__name__, s.is_live, s.count('ready'))").split() == \
+        ["ClusterView", "True", "2"]
     kernel.ok("from nbrpc import rpc\nimport time\n"
               "def where(): return rpc.get_worker_info().name")
     assert kernel.ok("print(rpc.rpc_sync('worker2', where))").strip() == "worker2"
@@ -141,6 +159,8 @@ def test_interrupt_restart_and_start_again_in_one_kernel(kernel: Kernel) -> None
     pids = json.loads(kernel.ok(PIDS))
     kernel.ok("%rpc_cluster stop")
     assert _gone(pids, 10) == []
+    # the live view's refresh ended with the cluster
+    assert kernel.ok(LIVE_VIEWS_END).strip() == "[]"
 
 
 def test_a_killed_kernel_leaves_no_orphans(kernel: Kernel) -> None:

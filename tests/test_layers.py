@@ -22,7 +22,7 @@ FORBIDDEN = {
 
 # Only the Jupyter layer may import display libraries; core objects reach their
 # views through nbrpc.views, which loads nbrpc.jupyter by name.
-DISPLAY = {"IPython", "ipywidgets", "anywidget", "matplotlib", "ipykernel", "traitlets"}
+DISPLAY = {"IPython", "ipywidgets", "anywidget", "matplotlib", "ipykernel"}
 
 
 def _imports(path: Path) -> set[str]:

@@ -6,13 +6,20 @@ Usage errors need no cluster; the last tests start a real one (marked ``cluster`
 from __future__ import annotations
 
 import sys
+import threading
 from collections.abc import Iterator
+from importlib import import_module
 
 import pytest
+from conftest import local_group
 from IPython.core.error import UsageError
 
-from nbrpc.cluster import ClusterStatus
+from nbrpc.agent import set_default_agent
+from nbrpc.cluster import ClusterStatus, WorkerStatus
+from nbrpc.debug import owner_map, rref_graph
+from nbrpc.debug.trace import Trace
 from nbrpc.jupyter.magics import _launcher_options
+from nbrpc.rref import RRef, remote
 
 
 @pytest.fixture
@@ -74,6 +81,60 @@ def test_status_without_a_cluster(shell) -> None:
     assert isinstance(status, ClusterStatus) and str(status) == "nbrpc cluster (no workers): stopped"
 
 
+def html_of(shell, obj: object) -> str | None:
+    """What the notebook would show as ``obj``'s HTML (None: only its text)."""
+    return shell.display_formatter.format(obj)[0].get("text/html")
+
+
+RELEASE = threading.Event()  # a module global: the in-process callee finds it by reference
+
+
+def held() -> str:
+    assert RELEASE.wait(10)
+    return "ok"
+
+
+def test_rrefs_futures_and_statuses_display_as_html_once_loaded(shell) -> None:
+    with local_group(["a", "b"]) as (a, b):
+        set_default_agent(a)
+        try:
+            user = remote(a, "b", list, ("xy",), {}, -1)
+            assert user.to_here() == ["x", "y"]
+            page = html_of(shell, user)
+            assert "owned by <b>b</b>" in page and f"user (fork {user._fork})" in page
+            assert "<code>" + str(user._id) + "</code>" in page and "confirmed" in page
+            assert "test_magics.py" in page  # where it was created
+            owned = RRef({"k": 1})
+            page = html_of(shell, owned)
+            assert "owned by <b>a</b> · owner · <code>builtins.dict</code>" in page
+
+            RELEASE.clear()
+            fut = a.rpc_async("b", held)
+            page = html_of(shell, fut)
+            assert ">pending</b> · call to b" in page
+            RELEASE.set()
+            assert fut.wait() == "ok" and ">done</b>" in html_of(shell, fut)
+            failed = a.rpc_async("b", divmod, (1, 0))
+            with pytest.raises(ZeroDivisionError):
+                failed.wait()
+            assert ">failed</b> · ZeroDivisionError" in html_of(shell, failed)
+            del user, owned
+        finally:
+            set_default_agent(None)
+
+    status = ClusterStatus("fork", "running", [WorkerStatus("driver", 0, "h", 7, "ready", 4)])
+    assert "<td>h</td><td>7</td>" in html_of(shell, status)
+    trace = Trace(workers=["driver"], messages=[])
+    assert "Trace of driver: 0 messages" in html_of(shell, trace)
+    graph, owners = rref_graph([]), owner_map([])  # the views' own renderers, loaded lazily
+    assert html_of(shell, graph) == import_module("nbrpc.jupyter.rref_graph_view"
+                                                  ).rref_graph_html(graph)
+    assert html_of(shell, owners) == import_module("nbrpc.jupyter.owner_map_view"
+                                                   ).owner_map_html(owners)
+    shell.run_line_magic("unload_ext", "nbrpc")  # the displays go with the extension
+    assert html_of(shell, status) is None and html_of(shell, trace) is None
+
+
 def test_help_for_the_magic_and_each_subcommand(shell, capsys) -> None:
     assert shell.run_line_magic("rpc_cluster", "--help") is None
     out = capsys.readouterr().out
@@ -103,7 +164,8 @@ def test_a_session_of_magics_on_a_real_cluster(shell, capsys) -> None:
         "  1     worker1  ready",
         "  2     worker2  ready",
     ]
-    assert "<table>" in status._repr_html_() and str(status["worker1"].pid) in status._repr_html_()
+    page = shell.display_formatter.format(status)[0]["text/html"]  # the extension's display
+    assert '<table class="nbrpc-cluster">' in page and f"<td>{status['worker1'].pid}</td>" in page
     with pytest.raises(UsageError, match="already running"):
         shell.run_line_magic("rpc_cluster", "start 1")
 

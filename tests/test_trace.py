@@ -46,9 +46,8 @@ def call(agent, to, fn, args):  # noqa: ANN001,ANN201
 
 
 def kinds(t: debug.Trace) -> Counter:
-    """(kind, op, from, to) of the messages, less debug.rref_graph()'s own calls."""
-    return Counter((m["kind"], m["op"], m["src"], m["dst"]) for m in t.messages
-                   if m["what"] != "_snapshot_here")
+    """(kind, op, from, to) of the messages."""
+    return Counter((m["kind"], m["op"], m["src"], m["dst"]) for m in t.messages)
 
 
 def test_a_trace_holds_the_calls_replies_and_rref_protocol_of_its_block(trio) -> None:
@@ -73,7 +72,7 @@ def test_a_trace_holds_the_calls_replies_and_rref_protocol_of_its_block(trio) ->
         assert m["t0"] is not None and m["t1"] is not None, m
         assert 0 <= m["t0"] <= m["t1"] <= t.duration + 0.05, m
     calls = [m for m in t.messages if m["op"] == "call"]
-    assert {m["what"] for m in calls} == {"abs", "read", "_snapshot_here"}  # polls traced too
+    assert {m["what"] for m in calls} == {"abs", "read"}  # not debug.rref_graph()'s polls
     replies = [m for m in t.messages if m["kind"] == "reply"]
     assert all(m["latency"] > 0 and m["error"] is None for m in replies)
     assert [m["t0"] for m in t.messages] == sorted(m["t0"] for m in t.messages)
@@ -187,3 +186,16 @@ def test_the_widget_bounds_what_it_draws() -> None:
     svg = trace_svg(t, limit=1500)
     assert svg.count('class="nbrpc-msg"') == 1500
     assert "… and 3500 more messages" in svg
+
+
+def test_nbrpcs_own_introspection_is_left_out_unless_asked_for(trio) -> None:
+    a, b, c = trio
+    for internal in (False, True):
+        with debug.trace(internal=internal) as t:
+            debug.rref_graph()  # a snapshot call to every member
+            call(a, "b", abs, (-1,))
+        whats = Counter(m["what"] for m in t.messages if m["kind"] != "reply")
+        if internal:
+            assert whats == {"abs": 1, "nbrpc:_snapshot_here": 3}, whats
+        else:
+            assert whats == {"abs": 1}, whats

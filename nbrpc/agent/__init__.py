@@ -7,6 +7,7 @@ from .agent import (
     Propagator,
     Wire,
     current_agent,
+    internal,
     register_extension,
     set_default_agent,
 )
@@ -15,5 +16,5 @@ from .futures import RpcFuture, detach, fresh, outcome, wait_result
 from .group import WorkerInfo
 
 __all__ = ["Agent", "AgentOptions", "Deferred", "Propagator", "RpcFuture", "Wire", "WorkerInfo",
-           "check_future", "current_agent", "detach", "fresh", "is_async", "mark_async",
+           "check_future", "current_agent", "detach", "fresh", "internal", "is_async", "mark_async",
            "outcome", "register_extension", "set_default_agent", "wait_result"]

@@ -873,12 +873,23 @@ class Agent:
         return f"<nbrpc Agent {self.name!r} rank={self.rank} {self.state} at {self.address}>"
 
 
+INTERNAL = "nbrpc:"  # the prefix of internal calls' names in the event log
+
+
+def internal(fn: Callable) -> Callable:
+    """Mark ``fn`` as nbrpc's own introspection (snapshots, probes, trace reads):
+    traces leave its calls out unless asked for them."""
+    fn.__nbrpc_internal__ = True  # type: ignore[attr-defined]
+    return fn
+
+
 def _what(msg: Any) -> str:
     """What a request is about, for its event: the function called, or the RRef."""
     fn = getattr(msg, "fn", None)
     if fn is not None:  # Box.method; torch.mul's qualname is _VariableFunctionsClass.mul
         name = getattr(fn, "__qualname__", None) or type(fn).__name__
-        return getattr(fn, "__name__", name) if name[0] == "_" else name
+        name = getattr(fn, "__name__", name) if name[0] == "_" else name
+        return INTERNAL + name if getattr(fn, "__nbrpc_internal__", False) else name
     rref_id = getattr(msg, "rref_id", None)
     return "" if rref_id is None else f"RRef {rref_id}"
 

@@ -21,7 +21,6 @@ from __future__ import annotations
 import atexit
 import concurrent.futures
 import logging
-import os
 import shutil
 import signal
 import socket
@@ -34,6 +33,7 @@ from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any
 
+from .. import views
 from ..agent import Agent, AgentOptions, set_default_agent
 from ..agent.agent import _Default
 from ..errors import AlreadyInitializedError, NbrpcError
@@ -406,9 +406,11 @@ class Cluster:
             self._take_down(self._worker(name), dead=False, why="was removed from the cluster")
             del self.workers[name]
 
-    def restart(self, name: str | None = None) -> None:
+    def restart(self, name: str | None = None, *, progress: bool | None = None) -> None:
         """Restart one worker under the same name and rank (its RRefs are lost;
-        calls in flight to it fail), or, with no name, the whole cluster."""
+        calls in flight to it fail), or, with no name, the whole cluster.
+        ``progress``: as the cluster's own option (``False`` only logs: the
+        cluster widget's Restart button runs it so, off the cell's output)."""
         if name is None:
             n = len(self.workers)
             self.stop()
@@ -419,11 +421,14 @@ class Cluster:
             w = self._worker(name)
             self._take_down(w, dead=True, why="was restarted")  # its RRefs are released
             w.pid = w.host = None
-            self._bring_up([(name, w.rank)], f"restarting {name}")
+            self._bring_up([(name, w.rank)], f"restarting {name}",
+                           self.progress if progress is None else progress)
 
-    def _bring_up(self, ranks: list[tuple[str, int]], title: str) -> None:
+    def _bring_up(self, ranks: list[tuple[str, int]], title: str,
+                  enabled: bool | None = None) -> None:
         """Launch engines for ``ranks`` (name, rank) and wait for their agents."""
-        progress = make_progress(len(ranks), self.progress, title)
+        progress = make_progress(len(ranks), self.progress if enabled is None else enabled,
+                                 title)
         try:
             self._launch(ranks)
             self._wait_ready([name for name, _ in ranks], progress)
@@ -510,19 +515,30 @@ class Cluster:
     # -- introspection -----------------------------------------------------------
     def status(self, probe_timeout: float = 1.0) -> ClusterStatus:
         """Each worker's state (starting / ready / busy / dead), pid, host, threads in
-        use, in-flight calls and owned RRefs, probed through the agents."""
+        use, in-flight calls, owned RRefs and their bytes, and message counters,
+        probed through the agents (in parallel; each probe waits ``probe_timeout``).
+        Safe to call from another thread (the cluster widget's live refresh)."""
         rows: list[WorkerStatus] = []
-        agent = self.agent
-        if agent is not None and self.state == "running":
+        agent, state = self.agent, self.state
+        if agent is not None and state == "running":
             rows.append(_driver_row(agent))
+            workers = sorted(list(self.workers.values()), key=lambda w: w.rank)
             futs = {}
-            for w in sorted(self.workers.values(), key=lambda w: w.rank):
+            for w in workers:
                 if agent.is_member(w.rank):
-                    futs[w.name] = agent.rpc_async(w.name, engine_side.probe, (), None,
-                                                   probe_timeout)
-            for w in sorted(self.workers.values(), key=lambda w: w.rank):
+                    try:
+                        futs[w.name] = agent.rpc_async(w.name, engine_side.probe, (), None,
+                                                       probe_timeout)
+                    except NbrpcError as e:  # it left or died since is_member
+                        log.debug("status probe of %s: %s", w.name, e)
+            for w in workers:
                 rows.append(self._row(w, agent, futs.get(w.name)))
-        return ClusterStatus(self.launcher_name, self.state, rows)
+        return ClusterStatus(self.launcher_name, state, rows)
+
+    def widget(self, **options: Any) -> Any:
+        """The live cluster view (refreshed at most twice a second while the
+        cluster runs; Restart and Stop buttons). Needs the notebook packages."""
+        return views.make("cluster", self, **options)
 
     def _row(self, w: _Worker, agent: Agent, fut: Any) -> WorkerStatus:
         row = WorkerStatus(w.name, w.rank, host=w.host, pid=w.pid, threads=self.threads)
@@ -538,8 +554,7 @@ class Cluster:
             row.detail = f"{type(e).__name__}: {e}"
             return row
         row.state = "busy" if info["busy_threads"] or info["in_flight"] else "ready"
-        row.busy_threads, row.in_flight = info["busy_threads"], info["in_flight"]
-        row.owned_rrefs = info["owned_rrefs"]
+        _fill(row, info)
         return row
 
     def view(self, name: str) -> Any:
@@ -600,12 +615,17 @@ def _stop_all() -> None:
 
 
 def _driver_row(agent: Agent) -> WorkerStatus:
-    snap = agent.snapshot(events=0)
-    c = snap["counters"]
-    return WorkerStatus(
-        "driver", 0, host=socket.gethostname(), pid=os.getpid(), state="ready",
-        threads=agent.options.num_worker_threads, busy_threads=c["busy_threads"], in_flight=c["in_flight"],
-        owned_rrefs=len(snap.get("rrefs", {}).get("owned", [])))
+    row = WorkerStatus("driver", 0, state="ready", threads=agent.options.num_worker_threads)
+    return _fill(row, engine_side.describe(agent))
+
+
+def _fill(row: WorkerStatus, info: dict[str, Any]) -> WorkerStatus:
+    """Copy a probe's counters into a status row (pid and host too, when given)."""
+    for key in ("busy_threads", "in_flight", "owned_rrefs", "owned_bytes", "messages",
+                "bytes_moved", "pid", "host"):
+        if info.get(key) is not None:
+            setattr(row, key, info[key])
+    return row
 
 
 def _check_count(n: Any, what: str) -> int:

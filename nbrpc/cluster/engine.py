@@ -17,7 +17,7 @@ import sys
 from typing import Any
 from urllib.parse import urlparse
 
-from ..agent import Agent, AgentOptions, set_default_agent
+from ..agent import Agent, AgentOptions, internal, set_default_agent
 from ..agent.agent import _Default
 from ..rpc.rendezvous import _local_ip_towards
 
@@ -66,22 +66,34 @@ def _exit_without_driver(agent: Agent, gone: int) -> None:
     os._exit(0)
 
 
+@internal
 def probe() -> dict[str, Any]:
     """This worker's state for the driver's status view (runs on the agent's pool)."""
     agent = _agent[0] if _agent else _Default.agent
+    info = describe(agent)
+    info["busy_threads"] = max(0, info["busy_threads"] - 1)  # minus this probe
+    return info
+
+
+def describe(agent: Agent | None) -> dict[str, Any]:
+    """An agent's row of the status: pid, host, threads, calls in flight, owned
+    RRefs and their bytes, messages and bytes moved (sent + received)."""
     snap = agent.snapshot(events=0) if agent else {}
     counters = snap.get("counters", {})
-    rrefs = snap.get("rrefs", {})
+    owned = _owned(snap.get("rrefs", {}))
     return {
         "pid": os.getpid(),
         "host": socket.gethostname(),
         "threads": counters.get("threads", 0),
-        "busy_threads": max(0, counters.get("busy_threads", 0) - 1),  # minus this probe
+        "busy_threads": counters.get("busy_threads", 0),
         "in_flight": counters.get("in_flight", 0),
-        "owned_rrefs": _count_owned(rrefs),
+        "owned_rrefs": len(owned),
+        "owned_bytes": sum(v.get("nbytes") or 0 for v in owned),
+        "messages": counters.get("messages_sent", 0) + counters.get("messages_received", 0),
+        "bytes_moved": counters.get("bytes_sent", 0) + counters.get("bytes_received", 0),
     }
 
 
-def _count_owned(rrefs: Any) -> int:
+def _owned(rrefs: Any) -> list[dict[str, Any]]:
     owners = rrefs.get("owned") if isinstance(rrefs, dict) else None
-    return len(owners) if owners is not None else 0
+    return list(owners) if owners is not None else []

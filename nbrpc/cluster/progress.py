@@ -1,11 +1,18 @@
 """Progress while engines start: a widget bar in a kernel, text in a terminal,
-log records in a plain script."""
+log records in a plain script.
+
+The widget bar lives in the Jupyter layer (``nbrpc.jupyter.progress``), reached
+through :mod:`nbrpc.views`; this module never imports IPython or ipywidgets. It
+finds IPython's shell only if the process has imported IPython already.
+"""
 
 from __future__ import annotations
 
 import logging
 import sys
 from typing import Any
+
+from .. import views
 
 log = logging.getLogger("nbrpc.cluster")
 
@@ -45,27 +52,6 @@ class TextProgress(Progress):
         sys.stdout.flush()
 
 
-class WidgetProgress(Progress):
-    """An ipywidgets bar with a label; closed (removed) when the start ends."""
-
-    def __init__(self, total: int, title: str) -> None:
-        super().__init__(total, title)
-        import ipywidgets as w
-        from IPython.display import display
-
-        self.bar = w.IntProgress(value=0, min=0, max=total)
-        self.label = w.Label(title)
-        self.box = w.HBox([self.bar, self.label])
-        display(self.box)
-
-    def show(self, message: str) -> None:
-        self.bar.value = self.done
-        self.label.value = f"{self.title}: {self.done}/{self.total} {message}"
-
-    def close(self, message: str = "") -> None:
-        self.box.close()
-
-
 def make_progress(total: int, enabled: bool | None, title: str) -> Progress:
     """The display that suits where we run; ``enabled=False`` only logs."""
     if enabled is False:
@@ -73,17 +59,26 @@ def make_progress(total: int, enabled: bool | None, title: str) -> Progress:
     shell = _shell()
     if shell is not None and type(shell).__name__ == "ZMQInteractiveShell":
         try:
-            return WidgetProgress(total, title)
-        except ImportError:
-            pass
+            return views.make("progress", total, title=title)
+        except (ImportError, LookupError) as e:  # no widget libraries: text will do
+            log.debug("no progress widget: %s", e)
     if shell is not None or enabled:
         return TextProgress(total, title)
     return Progress(total, title)
 
 
 def _shell() -> Any:
-    try:
-        from IPython import get_ipython
-    except ImportError:
+    """IPython's running shell, or None (looked up, never imported: a script
+    that has not imported IPython has no shell).
+
+    >>> import sys; sys.modules.get("IPython") is None or _shell() is None
+    True
+    """
+    ipython = sys.modules.get("IPython")
+    get_ipython = getattr(ipython, "get_ipython", None)
+    if get_ipython is None:
         return None
-    return get_ipython()
+    try:
+        return get_ipython()
+    except Exception:  # noqa: BLE001 - a half-imported IPython: no shell
+        return None

@@ -1,13 +1,14 @@
-"""The cluster's status as plain data, with a deterministic text view and an HTML one.
+"""The cluster's status as plain data, with a deterministic text view.
 
 ``text/plain`` shows only what does not vary between runs of the same
-notebook (names, ranks, states, counts), so nbval can compare it; the HTML
-view adds hosts, pids, threads in use, in-flight calls and owned RRefs.
+notebook (names, ranks, states, counts), so nbval can compare it. The rows
+also carry what does vary (hosts, pids, threads in use, in-flight calls,
+owned RRefs and their bytes, message counters): the Jupyter layer draws them
+(``nbrpc.jupyter.cluster_view``: the live widget and the static HTML table).
 """
 
 from __future__ import annotations
 
-import html
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -27,6 +28,9 @@ class WorkerStatus:
     busy_threads: int = 0
     in_flight: int = 0
     owned_rrefs: int = 0
+    owned_bytes: int = 0  # approximate size of the values it owns (tensors, modules, ...)
+    messages: int = 0  # messages sent + received since its agent started (heartbeats too)
+    bytes_moved: int = 0  # bytes sent + received since its agent started
     detail: str = ""
 
 
@@ -85,21 +89,3 @@ class ClusterStatus:
 
     def _repr_pretty_(self, p: Any, cycle: bool) -> None:
         p.text(str(self))
-
-    def _repr_html_(self) -> str:
-        head = ("name", "rank", "host", "pid", "state", "threads in use", "in flight",
-                "owned RRefs")
-        colour = {"ready": "#2e7d32", "busy": "#ef6c00", "starting": "#1565c0",
-                  "dead": "#c62828"}
-        rows = []
-        for w in self.workers:
-            cells = [w.name, w.rank, w.host or "", w.pid or "",
-                     f'<b style="color:{colour.get(w.state, "#000")}">{w.state}</b>',
-                     f"{w.busy_threads}/{w.threads}", w.in_flight, w.owned_rrefs]
-            title = f' title="{html.escape(w.detail)}"' if w.detail else ""
-            rows.append(f"<tr{title}>" + "".join(
-                f"<td>{c if i == 4 else html.escape(str(c))}</td>" for i, c in enumerate(cells))
-                + "</tr>")
-        return (f"<div><b>{html.escape(self.summary())}</b>"
-                "<table><thead><tr>" + "".join(f"<th>{h}</th>" for h in head)
-                + "</tr></thead><tbody>" + "".join(rows) + "</tbody></table></div>")

@@ -32,7 +32,7 @@ import types
 from typing import Any
 
 from .. import views
-from ..agent import current_agent, gcfreeze
+from ..agent import current_agent, gcfreeze, internal
 from ..rref import RRef
 
 
@@ -61,6 +61,7 @@ def snapshot(events: int | None = 200) -> dict[str, Any]:
     return current_agent("debug.snapshot").snapshot(events)
 
 
+@internal
 def _snapshot_here(events: int | None) -> dict[str, Any]:
     return current_agent().snapshot(events)
 
@@ -210,6 +211,7 @@ def why_alive(rref: Any, timeout: float = 10.0) -> dict[str, Any]:
     return {"rref_id": rid, "reasons": reasons, "references": references, "hints": hints}
 
 
+@internal
 def _references_here(rid: str) -> list[str]:
     """Python references to this worker's RRef objects with id ``rid``."""
     agent = current_agent()
@@ -241,6 +243,7 @@ def _references_here(rid: str) -> list[str]:
     return sorted(set(found))
 
 
+@internal
 def forget_outputs() -> int:
     """Drop IPython's output-history references to RRefs in this process
     (``Out[n]``, ``_``, ``__``, ``___``, ``_n``, the hidden namespace and the
@@ -296,6 +299,7 @@ def output_refs(timeout: float = 10.0) -> dict[str, dict[str, list[str]]]:
     return {name: found for name, f in futs.items() if (found := f.wait())}
 
 
+@internal
 def _outputs_here() -> dict[str, list[str]]:
     """This member's RRefs held by IPython's output names (``Out[n]``, ``_``, ``_n``)."""
     agent = current_agent()

@@ -41,17 +41,20 @@ from pathlib import Path
 from typing import Any
 
 from .. import views
-from ..agent import current_agent
+from ..agent import current_agent, internal
+from ..agent.agent import INTERNAL
 
 # Requests and replies are paired on (caller, callee, msg id); the other log
 # entries (RRef lifecycle, autograd stages, members gone) are point events.
 _MESSAGE_EVENTS = ("send", "serve", "serve-error", "recv", "timeout")
 
 
+@internal
 def _clock_here() -> tuple[float, str]:
     return time.time(), socket.gethostname()
 
 
+@internal
 def _events_here(start: float, end: float) -> tuple[list[tuple], bool]:
     return current_agent().events.between(start, end)
 
@@ -84,7 +87,9 @@ class Trace:
     replies ``latency`` (the caller's wait) and ``error``. ``events``: RRef
     lifecycle, autograd stages, members gone (``worker``, ``time``, ``event``,
     ``op``, ``peer``, ``detail``). Times are seconds from the trace's start.
-    ``lost``: members whose logs were not (fully) read, and why.
+    ``lost``: members whose logs were not (fully) read, and why. nbrpc's own
+    introspection calls (snapshots, status probes, ``why_alive``; their ``what``
+    starts with ``nbrpc:``) are left out unless ``internal`` is set.
     """
 
     workers: list[str]
@@ -93,6 +98,7 @@ class Trace:
     messages: list[dict[str, Any]] = field(default_factory=list)
     events: list[dict[str, Any]] = field(default_factory=list)
     lost: dict[str, str] = field(default_factory=dict)
+    internal: bool = False
     _offsets: dict[str, float] = field(default_factory=dict, repr=False)
     _timeout: float = field(default=10.0, repr=False)
 
@@ -163,6 +169,10 @@ class Trace:
             send, serve, recv = sends.get(key), serves.get(key), recvs.get(key)
             op = (send or serve or recv)[1]
             what = send[3] if send else ""
+            if not self.internal and what.startswith(INTERNAL):
+                continue
+            if send is None and recv is None and serve[0] - serve[3] < 0:
+                continue  # a call answered before the start whose serve was logged late
             if send or serve:
                 messages.append({
                     "kind": family(op), "op": op, "what": what, "src": caller, "dst": callee,
@@ -323,12 +333,14 @@ def _plural(n: int, word: str) -> str:
     return word[:-1] + "ies" if word.endswith("y") else word + "s"
 
 
-def trace(timeout: float = 10.0) -> Trace:
+def trace(timeout: float = 10.0, internal: bool = False) -> Trace:
     """Record the messages between the members while a ``with`` block runs.
 
     ``with nbrpc.debug.trace() as t: ...`` then ``t.widget()`` (a sequence
     diagram), ``t.messages``, ``t.to_chrome_trace("run.json")``. Tracing reads
     the agents' always-on bounded event logs, so it costs nothing on the call
     path; only entering and leaving the block make one call to each member.
+    ``internal=True`` keeps nbrpc's own introspection calls (the live cluster
+    view's probes, ``debug`` snapshots) in the trace.
     """
-    return Trace(workers=[], _timeout=timeout)
+    return Trace(workers=[], internal=internal, _timeout=timeout)

@@ -1,14 +1,18 @@
 """``%rpc_cluster`` and ``%%rpc_on``: the notebook's handles on an :class:`~nbrpc.cluster.Cluster`.
 
-``%load_ext nbrpc`` registers them. The magics are thin: each subcommand is one
+``%load_ext nbrpc`` registers them, and the rich displays of nbrpc's objects
+(:mod:`nbrpc.jupyter.formatters`). The magics are thin: each subcommand is one
 call of the Python API, so what a notebook does with magics a script does
-with ``nbrpc.Cluster``.
+with ``nbrpc.Cluster``. In a kernel, ``%rpc_cluster`` and its subcommands
+return the live cluster view (``cluster.widget()``); elsewhere (a terminal,
+a test's shell), the plain :class:`~nbrpc.cluster.ClusterStatus`.
 """
 
 from __future__ import annotations
 
 import argparse
 import ast
+import logging
 import re
 import shlex
 import sys
@@ -19,6 +23,9 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 
 from ..cluster import Cluster, ClusterError, ClusterStatus
+from . import formatters
+
+log = logging.getLogger(__name__)
 
 _OPTION = re.compile(r"^--([A-Za-z_][\w.]*)=(.*)$", re.S)
 
@@ -134,7 +141,7 @@ class ClusterMagics(Magics):
     cluster: Cluster | None = None
 
     @line_magic
-    def rpc_cluster(self, line: str) -> ClusterStatus | None:
+    def rpc_cluster(self, line: str) -> Any:
         """Start and manage the kernel's nbrpc cluster. ``%rpc_cluster --help`` for usage."""
         parser = _cluster_parser()
         try:
@@ -163,31 +170,41 @@ class ClusterMagics(Magics):
         old, self.cluster = self.cluster, cluster
         if self.shell.user_ns.get("rpc_cluster") in (None, old):  # not the user's own
             self.shell.user_ns["rpc_cluster"] = cluster
-        return cluster.status()
+        return self._shown(cluster)
 
-    def _stop(self, args: argparse.Namespace, extra: list[str]) -> ClusterStatus:
+    def _stop(self, args: argparse.Namespace, extra: list[str]) -> Any:
         cluster = self._need("stop", running=False)
         cluster.stop()
-        return cluster.status()
+        return self._shown(cluster)
 
-    def _restart(self, args: argparse.Namespace, extra: list[str]) -> ClusterStatus:
+    def _restart(self, args: argparse.Namespace, extra: list[str]) -> Any:
         cluster = self._need("restart")
         cluster.restart(args.name)
-        return cluster.status()
+        return self._shown(cluster)
 
-    def _status(self, args: argparse.Namespace, extra: list[str]) -> ClusterStatus:
+    def _status(self, args: argparse.Namespace, extra: list[str]) -> Any:
         if self.cluster is None:
             return ClusterStatus("-", "stopped", [])
-        return self.cluster.status()
+        return self._shown(self.cluster)
 
-    def _add(self, args: argparse.Namespace, extra: list[str]) -> ClusterStatus:
+    def _add(self, args: argparse.Namespace, extra: list[str]) -> Any:
         cluster = self._need("add")
         cluster.add(args.n)
-        return cluster.status()
+        return self._shown(cluster)
 
-    def _remove(self, args: argparse.Namespace, extra: list[str]) -> ClusterStatus:
+    def _remove(self, args: argparse.Namespace, extra: list[str]) -> Any:
         cluster = self._need("remove")
         cluster.remove(args.name)
+        return self._shown(cluster)
+
+    def _shown(self, cluster: Cluster) -> Any:
+        """What a subcommand returns: the live view in a kernel (its text/plain is
+        the status's text), else the status itself."""
+        if type(self.shell).__name__ == "ZMQInteractiveShell":
+            try:
+                return cluster.widget()
+            except ImportError as e:  # no widget libraries: the static table will do
+                log.info("no cluster widget: %s", e)
         return cluster.status()
 
     def _need(self, what: str, running: bool = True) -> Cluster:
@@ -266,10 +283,14 @@ def _show_output(name: str, ar: Any, several: bool) -> None:
 
 
 def load(ip: Any) -> None:
+    """``%load_ext nbrpc``: the magics, and the rich displays of nbrpc's objects."""
     ip.register_magics(ClusterMagics)
+    formatters.register(ip)
 
 
 def unload(ip: Any) -> None:
+    """``%unload_ext nbrpc``: stop the kernel's cluster, remove the displays."""
+    formatters.unregister(ip)
     magics = ip.magics_manager.registry.get("ClusterMagics")
     if magics is not None and magics.cluster is not None:
         magics.cluster.stop()

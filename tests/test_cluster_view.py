@@ -1,0 +1,254 @@
+"""The cluster view without engines: its table from hand-made statuses, and the
+view's live refresh, rates and buttons driven by a scripted cluster.
+
+The same view on a real cluster (a killed worker shown dead, Restart and Stop
+for real) is tested in test_cluster.py, marked ``cluster``.
+"""
+
+from __future__ import annotations
+
+import configparser
+import re
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import poll_for
+
+from nbrpc.cluster import ClusterStatus, WorkerStatus
+from nbrpc.jupyter import cluster_view
+from nbrpc.jupyter.cluster_view import MAX_ROWS, ClusterView, cluster_html
+
+SANITIZE = Path(__file__).resolve().parents[1] / "notebooks" / "nbval_sanitize.cfg"
+
+
+def sanitized(markup: str) -> str:
+    """``markup`` as nbval compares it (the notebooks' sanitize patterns applied)."""
+    cfg = configparser.ConfigParser()
+    cfg.read(SANITIZE)
+    for section in cfg.sections():
+        markup = re.sub(cfg[section]["regex"], cfg[section]["replace"], markup)
+    return markup
+
+
+def status(pids: tuple[int, int, int] = (10, 11, 12), messages: int = 0,
+           dead: str = "", state: str = "running") -> ClusterStatus:
+    rows = [WorkerStatus("driver", 0, "kernel-host", pids[0], "ready", 16, 0, 0, 1, 4096,
+                         messages, 10 * messages)]
+    for rank in (1, 2):
+        name = f"worker{rank}"
+        if name == dead:
+            rows.append(WorkerStatus(name, rank, "host-b", pids[rank], "dead", 16,
+                                     detail="died (its engine process exited)"))
+        else:
+            rows.append(WorkerStatus(name, rank, "host-b", pids[rank], "ready", 16, 1, 2,
+                                     3 * rank, 1024 * rank, messages * rank))
+    return ClusterStatus("fork", state, rows if state == "running" else [])
+
+
+class Scripted:
+    """A cluster whose status the test sets; restart and stop are recorded, and
+    can be held (``gate``) or made to fail."""
+
+    launcher_name, timeout = "fork", 5.0
+
+    def __init__(self) -> None:
+        self.state = "running"
+        self.next = status()
+        self.calls: list[tuple] = []
+        self.gate = threading.Event()
+        self.gate.set()
+        self.fail: Exception | None = None
+
+    def status(self, probe_timeout: float = 1.0) -> ClusterStatus:
+        return self.next if self.state == "running" else ClusterStatus("fork", self.state, [])
+
+    def restart(self, name: str | None = None, *, progress: bool | None = None) -> None:
+        self.calls.append(("restart", name, progress))
+        self._act()
+        self.next = status(pids=(10, 11, 99) if name == "worker2" else (10, 98, 12))
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self.calls.append(("stop",))
+        self._act()
+        self.state = "stopped"
+
+    def _act(self) -> None:
+        assert self.gate.wait(10), "the test never opened the gate"
+        if self.fail is not None:
+            raise self.fail
+
+
+def live_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == "nbrpc-live-view"]
+
+
+@pytest.fixture
+def scripted() -> Scripted:
+    return Scripted()
+
+
+# -- the table ---------------------------------------------------------------------
+def test_the_table_has_every_column_and_marks_what_varies() -> None:
+    page = cluster_html(status(), {"driver": 2.0, "worker1": 5.5})
+    for column in ("name", "rank", "host", "pid", "state", "threads busy", "calls in flight",
+                   "owned RRefs", "bytes owned", "messages/s"):
+        assert f"<th>{column}</th>" in page
+    assert "<b>nbrpc cluster (fork launcher): 2 workers ready</b>" in page
+    assert "<td>host-b</td><td>11</td>" in page and "2.0 KiB" in page and "5.5" in page
+    # another run: other hosts, pids, counters and rates; the same page for nbval
+    other = cluster_html(status(pids=(20, 21, 22), messages=7), {"worker2": 1.0})
+    assert other != page and sanitized(other) == sanitized(page)
+    kept = sanitized(page)  # names, ranks and states are compared
+    assert '<tr data-key="worker:worker2"><td><b>worker2</b></td><td>2</td>' in kept
+    assert '<b style="color:#2e7d32">ready</b>' in kept
+    assert "11" not in kept.replace("worker1", "")
+
+
+def test_a_dead_worker_is_highlighted_with_why() -> None:
+    page = cluster_html(status(dead="worker2"))
+    row = re.search(r'<tr data-key="worker:worker2"[^>]*>.*?</tr>', page).group(0)
+    assert 'style="background:#fdecea"' in row and '<b style="color:#c62828">dead</b>' in row
+    assert "died (its engine process exited)" in row
+    assert "1 ready, 1 dead" in page
+
+
+def test_buttons_only_in_the_live_table_and_none_for_the_driver() -> None:
+    assert "<button" not in cluster_html(status())
+    page = cluster_html(status(), buttons=True)
+    assert page.count("<button") == 2 and 'data-key="restart:driver"' not in page
+    assert 'data-key="restart:worker1"' in page and " disabled>" not in page
+    assert page.count(" disabled>") == 0
+    assert cluster_html(status(), buttons=True, busy=True).count(" disabled>") == 2
+
+
+def test_a_stopped_cluster_is_one_line() -> None:
+    assert cluster_html(ClusterStatus("-", "stopped", [])) == \
+        "<div><b>nbrpc cluster (no workers): stopped</b></div>"
+
+
+def test_big_clusters_are_bounded_and_the_dead_are_drawn_first() -> None:
+    workers = [WorkerStatus("driver", 0, "h", 1, "ready", 16)]
+    workers += [WorkerStatus(f"worker{r}", r, "h", 100 + r,
+                             "dead" if r in (1500, 1999) else "ready", 16, owned_rrefs=1)
+                for r in range(1, 2000)]
+    t0 = time.perf_counter()
+    page = cluster_html(ClusterStatus("fork", "running", workers), buttons=True)
+    took = time.perf_counter() - t0
+    assert page.count('<tr data-key="worker:') == MAX_ROWS
+    assert 'data-key="worker:worker1500"' in page and 'data-key="worker:worker1999"' in page
+    assert f"… and {2000 - MAX_ROWS:,} more ({2000 - MAX_ROWS} ready)" in page
+    assert len(page) < 60_000 and took < 0.5, (len(page), took)
+
+
+# -- the view ----------------------------------------------------------------------------
+def test_text_is_the_status_text_and_static_html_the_table(scripted: Scripted) -> None:
+    view = ClusterView(scripted, live=False)
+    assert view.text() == str(scripted.next) == repr(view)
+    data, _ = view._repr_mimebundle_()
+    assert data["text/plain"] == str(scripted.next)
+    assert "application/vnd.jupyter.widget-view+json" in data
+    assert "<button" not in data["text/html"] and "<table" in data["text/html"]
+    assert "<button" in view.html  # the live table has them
+    assert view["worker1"].pid == 11 and view.count("ready") == 2
+    assert view.title == "nbrpc cluster (fork launcher): 2 workers ready"
+    assert [c["id"] for c in view.controls] == ["refresh", "live", "stop"]
+    view.close()
+
+
+def test_messages_per_second_are_the_difference_between_refreshes(
+        scripted: Scripted, monkeypatch: pytest.MonkeyPatch) -> None:
+    clock = [100.0]
+    monkeypatch.setattr(cluster_view.time, "monotonic", lambda: clock[0])
+    scripted.next = status(messages=100)
+    view = ClusterView(scripted, live=False)
+    assert view.rates == {}  # one refresh: no rate yet
+    scripted.next, clock[0] = status(messages=300), 102.0
+    view.refresh()
+    assert view.rates == {"driver": 100.0, "worker1": 100.0, "worker2": 200.0}
+    assert "<td>100.0</td>" in view.html and "<td>400.0</td>" in view.html  # the total
+    # worker2 restarted (another pid, its counters from zero): no rate for it
+    scripted.next, clock[0] = status(pids=(10, 11, 99), messages=10), 103.0
+    view.refresh()
+    assert view.rates["worker2"] is None
+    view.close()
+
+
+def test_clicking_a_row_shows_its_details(scripted: Scripted) -> None:
+    view = ClusterView(scripted, live=False)
+    view._on_front_end(view, {"event": "select", "key": "worker:worker2"}, None)
+    assert "<b>worker2</b>" in view.panel and "2.0 KiB" in view.panel
+    assert 'class="nbrpc-selected"' in view.html  # kept across redraws
+    view.refresh()
+    assert "<b>worker2</b>" in view.panel and 'class="nbrpc-selected"' in view.html
+    view.close()
+
+
+def test_live_refresh_stops_when_the_cluster_stops_and_shows_it_stopped(
+        scripted: Scripted) -> None:
+    view = ClusterView(scripted, period=0.5)
+    assert view.is_live and live_threads()
+    assert view.controls[1]["value"] is True and view.status.startswith("live")
+    scripted.next = status(dead="worker1")
+    assert poll_for(lambda: view["worker1"].state == "dead", timeout=5)  # the next refresh
+    scripted.state = "stopped"
+    assert poll_for(lambda: not live_threads(), timeout=5)
+    assert view.text() == "nbrpc cluster (no workers): stopped"
+    assert view.status.startswith("not live") and view.controls[1]["value"] is False
+    assert view.controls[2]["disabled"] is True  # nothing left to stop
+    view.close()
+
+
+def test_live_refresh_stops_on_close_and_a_newer_view_takes_over(scripted: Scripted) -> None:
+    first = ClusterView(scripted)
+    second = ClusterView(scripted)
+    assert second.is_live and not first.is_live
+    assert "a newer view of this cluster refreshes live" in first.status
+    assert len(live_threads()) == 1
+    second.close()
+    assert not live_threads()
+    first.on_control("live", True)  # the toggle turns it back on
+    assert first.is_live
+    first.on_control("live", False)
+    assert not first.is_live and not live_threads()
+    first.close()
+
+
+def test_restart_and_stop_run_in_the_background_one_at_a_time(scripted: Scripted) -> None:
+    view = ClusterView(scripted, live=False)
+    scripted.gate.clear()
+    view._on_front_end(view, {"event": "select", "key": "restart:worker2"}, None)  # returns
+    assert view.action_running and "restarting worker2…" in view.status
+    assert view.html.count(" disabled>") == 2 and view.controls[2]["disabled"]
+    view.on_control("stop")  # refused while the restart runs
+    assert "wait: restarting worker2 is still running" in view.status
+    scripted.gate.set()
+    assert view.wait_action(10)
+    assert scripted.calls == [("restart", "worker2", False)]  # no progress bar in a cell
+    assert "done: restarting worker2" in view.status and view["worker2"].pid == 99
+    view.on_control("stop")
+    assert view.wait_action(10) and scripted.calls[-1] == ("stop",)
+    assert view.text() == "nbrpc cluster (no workers): stopped"
+    view.close()
+
+
+def test_a_failed_action_is_shown_not_raised(scripted: Scripted) -> None:
+    view = ClusterView(scripted, live=False)
+    scripted.fail = RuntimeError("the engine did not start")
+    view._on_front_end(view, {"event": "select", "key": "restart:worker1"}, None)
+    assert view.wait_action(10)
+    assert "failed: restarting worker1: RuntimeError: the engine did not start" in view.status
+    view.close()
+
+
+def test_a_failing_status_is_said_in_the_status_line(scripted: Scripted) -> None:
+    def broken(probe_timeout: float = 1.0) -> Any:
+        raise ConnectionError("agent gone")
+
+    view = ClusterView(scripted, live=False)
+    scripted.status = broken  # type: ignore[method-assign]
+    view.refresh()
+    assert "status failed: ConnectionError: agent gone" in view.status
+    view.close()
