@@ -12,7 +12,14 @@ LAB_STAMP := $(VENV)/.installed-lab
 NBVAL  := --nbval --nbval-current-env --nbval-sanitize-with notebooks/nbval_sanitize.cfg \
           --nbval-cell-timeout=90
 
-.PHONY: lab test test-fast test-notebooks lint bench clean
+# The browser tier (tests/test_browser.py) drives Debian's Chromium; it never
+# downloads browser builds. `browser-deps` installs the Debian package when it
+# is missing and we may (root, or password-less sudo, with apt-get); if that
+# fails the build goes on and the tier skips, printing why (-rs).
+CHROMIUM ?= /usr/bin/chromium
+PYTEST   := $(PY) -m pytest -q -rs
+
+.PHONY: lab test test-fast test-notebooks test-browser screenshots browser-deps lint bench clean
 
 # $(call install,EXTRAS): the environment, torch first (pinned: an unpinned torch
 # would pull gigabytes of CUDA packages), then nbrpc with EXTRAS.
@@ -34,16 +41,42 @@ $(LAB_STAMP): pyproject.toml
 lab: $(LAB_STAMP)
 	$(VENV)/bin/jupyter lab --ip=127.0.0.1 notebooks/
 
-test: $(STAMP)
+test: $(STAMP) browser-deps
 	$(PY) -m ruff check nbrpc tests benchmarks examples
-	$(PY) -m pytest -q
-	$(PY) -m pytest -q $(NBVAL) notebooks/
+	$(PYTEST)
+	$(PYTEST) $(NBVAL) notebooks/
 
 test-fast: $(STAMP)
-	$(PY) -m pytest -q -m "not multiprocess and not torch_rpc and not cluster and not netns"
+	$(PYTEST) -m "not multiprocess and not torch_rpc and not cluster and not netns and not browser"
 
 test-notebooks: $(STAMP)
-	$(PY) -m pytest -q $(NBVAL) notebooks/
+	$(PYTEST) $(NBVAL) notebooks/
+
+# The widgets in JupyterLab + Chromium only (tutorials 07, 08 and tests/browser/*.ipynb).
+test-browser: $(STAMP) browser-deps
+	$(PYTEST) -s tests/test_browser.py
+
+# The README's images: the browser tier's screenshots, written to docs/img.
+screenshots: $(STAMP) browser-deps
+	NBRPC_SCREENSHOTS=$(CURDIR)/docs/img $(PYTEST) tests/test_browser.py
+
+browser-deps:
+	@if [ -n "$$NBRPC_CHROMIUM" ] || [ -x "$(CHROMIUM)" ] || command -v chromium >/dev/null 2>&1; then \
+	  exit 0; \
+	elif ! command -v apt-get >/dev/null 2>&1; then \
+	  echo "browser-deps: no chromium and no apt-get: the browser tier will skip" \
+	       "(install Chromium, or set NBRPC_CHROMIUM to one)"; \
+	else \
+	  if [ "$$(id -u)" = 0 ]; then SUDO=; \
+	  elif command -v sudo >/dev/null 2>&1 && sudo -n true 2>/dev/null; then SUDO="sudo -n"; \
+	  else echo "browser-deps: no chromium, and apt-get needs root: the browser tier will" \
+	            "skip (run: sudo apt-get install -y chromium)"; exit 0; fi; \
+	  echo "browser-deps: installing Debian's chromium with apt-get"; \
+	  { $$SUDO apt-get update -qq && \
+	    DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq --no-install-recommends \
+	      chromium fonts-liberation; } \
+	  || echo "browser-deps: apt-get could not install chromium: the browser tier will skip"; \
+	fi
 
 lint: $(STAMP)
 	$(PY) -m ruff check nbrpc tests benchmarks examples

@@ -125,7 +125,7 @@ def cluster_html(status: ClusterStatus, rates: dict[str, float | None] | None = 
     body = "".join(rows)
     table = (f'<table class="nbrpc-cluster"><thead><tr>{head}</tr></thead>'
              f"<tbody>{body}</tbody></table>") if status.workers else ""
-    head_line = f"<b>{esc(status.summary())}</b>" if heading or not table else ""
+    head_line = f"<b>{esc(status.summary())}</b>" if heading else ""
     return f"<div>{head_line}{table}</div>"
 
 

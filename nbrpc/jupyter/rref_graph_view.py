@@ -203,7 +203,7 @@ def graph_svg(model: dict[str, Any]) -> str:
             rows.append((y, w, None))
             y += 18
     height = y + 10
-    width = 20 + col * len(lanes)
+    width = max(20 + col * len(lanes), 560)  # at least the legend
     parts = [_legend()]
     for i, w in enumerate(lanes):
         owned = [n for n in model["nodes"].values()

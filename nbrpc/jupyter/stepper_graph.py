@@ -257,7 +257,7 @@ def graph_svg(replay: _Replay, last: dict[str, Any] | None) -> str:
     for link in _links(replay):
         parts.append(_link(link, pos, send_pos, replay))
     parts.append(_legend(height - 16))
-    return svg(max(x0, 560), height, "".join(parts), "distributed backward graph")
+    return svg(max(x0, 780), height, "".join(parts), "distributed backward graph")  # the legend
 
 
 def _edge(a: tuple[float, float], b: tuple[float, float]) -> str:

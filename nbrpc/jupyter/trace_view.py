@@ -71,7 +71,8 @@ def trace_svg(trace: Trace, to_scale: bool = False, limit: int = MAX_DRAWN) -> s
     width = LEFT + col * len(workers) + 10
     parts = ['<defs>' + "".join(
         f'<marker id="nbrpc-arrow-{k}" viewBox="0 0 10 10" refX="10" refY="5" '
-        f'markerWidth="7" markerHeight="7" orient="auto-start-reverse">'
+        f'markerWidth="9" markerHeight="9" markerUnits="userSpaceOnUse" '
+        'orient="auto-start-reverse">'
         f'<path d="M0,0 L10,5 L0,10 z" fill="{c}"/></marker>'
         for k, c in KIND_COLOURS.items()) + "</defs>"]
     for w in workers:
@@ -186,7 +187,7 @@ class TraceView(View):
 
 
 def _field(key: str, value: Any) -> str:
-    if value is None:
+    if value is None or value == "":
         return "—"
     if key in ("t0", "t1"):
         return _ms(value)
