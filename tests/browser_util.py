@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 import psutil
+from conftest import poll_or_fail
 
 # Debian's package puts its launcher here; the binary itself is /usr/lib/chromium/chromium.
 CHROMIUM_CANDIDATES = ("/usr/bin/chromium", "/usr/lib/chromium/chromium",
@@ -90,17 +91,8 @@ def free_port() -> int:
 
 def wait_until(pred: Callable[[], Any], timeout: float, what: Any,
                interval: float = 0.25) -> Any:
-    """``pred()``'s first true value, polled until ``timeout``; else AssertionError
-    naming ``what`` (or ``what()``, computed then)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = pred()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:.0f} s waiting for "
-                                 f"{what() if callable(what) else what}")
-        time.sleep(interval)
+    """conftest's ``poll_or_fail``, polling a page at a gentler pace."""
+    return poll_or_fail(pred, timeout, what, interval)
 
 
 class Lab:

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from nbrpc.agent import Agent, AgentOptions
+from nbrpc.agent import Agent, AgentOptions, set_default_agent
 from nbrpc.transport import new_key
 
 
@@ -58,7 +58,8 @@ def free_ports(n: int) -> list[int]:
             s.close()
 
 
-def poll_or_fail(pred: Callable[[], Any], timeout: float, what: Any) -> Any:
+def poll_or_fail(pred: Callable[[], Any], timeout: float, what: Any,
+                 interval: float = 0.02) -> Any:
     """Wait for ``pred()`` to be true and return it; on timeout fail, saying what
     was awaited (``what``, or ``what()`` for an explanation computed then)."""
     deadline = time.monotonic() + timeout
@@ -69,7 +70,7 @@ def poll_or_fail(pred: Callable[[], Any], timeout: float, what: Any) -> Any:
         if time.monotonic() > deadline:
             why = what() if callable(what) else what
             raise AssertionError(f"timed out after {timeout} s waiting for {why}")
-        time.sleep(0.02)
+        time.sleep(interval)
 
 
 def poll_for(condition: Callable[[], bool], timeout: float = 5.0, interval: float = 0.005) -> bool:
@@ -86,6 +87,17 @@ def poll_for(condition: Callable[[], bool], timeout: float = 5.0, interval: floa
 def trio() -> Iterator[list[Agent]]:
     with local_group(["a", "b", "c"]) as agents:
         yield agents
+
+
+@pytest.fixture
+def trio_default() -> Iterator[list[Agent]]:
+    """``trio`` with ``a`` as the process's default agent (what init_rpc makes it)."""
+    with local_group(["a", "b", "c"]) as agents:
+        set_default_agent(agents[0])
+        try:
+            yield agents
+        finally:
+            set_default_agent(None)
 
 
 @pytest.fixture(autouse=True)

@@ -8,12 +8,11 @@ import random
 import time
 
 import pytest
-from conftest import local_group, poll_for
+from conftest import poll_for
 
 pytest.importorskip("anywidget")
 
 from nbrpc import debug  # noqa: E402
-from nbrpc.agent import set_default_agent  # noqa: E402
 from nbrpc.jupyter.owner_map_view import (  # noqa: E402
     MAX_WORKERS,
     OWNER_ONLY,
@@ -36,16 +35,6 @@ def zeros(n: int):
 def keep(rref, seconds: float) -> int:
     time.sleep(seconds)
     return 1
-
-
-@pytest.fixture
-def trio_default():
-    with local_group(["a", "b", "c"]) as agents:
-        set_default_agent(agents[0])
-        try:
-            yield agents
-        finally:
-            set_default_agent(None)
 
 
 def test_what_each_worker_owns_and_who_holds_it(trio_default) -> None:

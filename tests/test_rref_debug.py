@@ -7,10 +7,9 @@ import gc
 import sys
 
 import pytest
-from conftest import local_group, poll_for
+from conftest import poll_for
 
 from nbrpc import debug
-from nbrpc.agent import set_default_agent
 from nbrpc.rref import RRef, remote
 
 
@@ -24,16 +23,6 @@ def use(rref: RRef, seconds: float) -> int:
 
     time.sleep(seconds)
     return rref.to_here().n
-
-
-@pytest.fixture
-def trio_default():
-    with local_group(["a", "b", "c"]) as agents:
-        set_default_agent(agents[0])
-        try:
-            yield agents
-        finally:
-            set_default_agent(None)
 
 
 def test_graph_owner_map_table_and_networkx(trio_default) -> None:

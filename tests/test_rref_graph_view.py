@@ -9,12 +9,11 @@ import sys
 import time
 
 import pytest
-from conftest import local_group, poll_for
+from conftest import poll_for
 
 pytest.importorskip("anywidget")
 
 from nbrpc import debug  # noqa: E402
-from nbrpc.agent import set_default_agent  # noqa: E402
 from nbrpc.jupyter.rref_graph_view import (  # noqa: E402
     LANE_LIMIT,
     LIMIT,
@@ -34,16 +33,6 @@ class Box:
 def hold(rref: RRef, seconds: float) -> int:
     time.sleep(seconds)
     return 1
-
-
-@pytest.fixture
-def trio_default():
-    with local_group(["a", "b", "c"]) as agents:
-        set_default_agent(agents[0])
-        try:
-            yield agents
-        finally:
-            set_default_agent(None)
 
 
 def holders(view: RRefGraphView, rid: str) -> dict[str, str]:

@@ -31,16 +31,6 @@ def fail() -> None:
     raise ValueError("no")
 
 
-@pytest.fixture
-def trio():
-    with local_group(["a", "b", "c"]) as agents:
-        set_default_agent(agents[0])
-        try:
-            yield agents
-        finally:
-            set_default_agent(None)
-
-
 def call(agent, to, fn, args):  # noqa: ANN001,ANN201
     return agent.rpc_async(to, fn, args).wait()
 
@@ -50,8 +40,8 @@ def kinds(t: debug.Trace) -> Counter:
     return Counter((m["kind"], m["op"], m["src"], m["dst"]) for m in t.messages)
 
 
-def test_a_trace_holds_the_calls_replies_and_rref_protocol_of_its_block(trio) -> None:
-    a, b, c = trio
+def test_a_trace_holds_the_calls_replies_and_rref_protocol_of_its_block(trio_default) -> None:
+    a, b, c = trio_default
     call(a, "b", abs, (-1,))  # before the trace: not in it
     with debug.trace() as t:
         call(a, "b", abs, (-2,))
@@ -81,8 +71,8 @@ def test_a_trace_holds_the_calls_replies_and_rref_protocol_of_its_block(trio) ->
     assert "  rref: 1 request, 1 reply  a -> c" in text.splitlines()
 
 
-def test_errors_timeouts_and_autograd_messages_are_traced(trio) -> None:
-    a, b, c = trio
+def test_errors_timeouts_and_autograd_messages_are_traced(trio_default) -> None:
+    a, b, c = trio_default
     x = torch.ones(3, requires_grad=True)
     with debug.trace() as t:
         c.faults.add("call", "drop", reply=True, times=1)  # c's next answer is lost
@@ -101,8 +91,8 @@ def test_errors_timeouts_and_autograd_messages_are_traced(trio) -> None:
     assert {e["worker"] for e in stages} == {"a", "b"}
 
 
-def test_chrome_trace_is_valid_trace_event_json(trio, tmp_path) -> None:
-    a, b, c = trio
+def test_chrome_trace_is_valid_trace_event_json(trio_default, tmp_path) -> None:
+    a, b, c = trio_default
     with debug.trace() as t:
         futs = [a.rpc_async(w, abs, (-i,)) for i, w in enumerate(["b", "c"] * 5)]
         [f.wait() for f in futs]
@@ -147,10 +137,10 @@ def test_an_overflowed_event_log_is_reported_as_lost() -> None:
     assert "lost: a: its event log overflowed" in str(t)
 
 
-def test_the_widget_draws_each_message_and_filters_and_selects(trio) -> None:
+def test_the_widget_draws_each_message_and_filters_and_selects(trio_default) -> None:
     from nbrpc.jupyter.trace_view import TraceView, plot_latencies, trace_html
 
-    a, b, c = trio
+    a, b, c = trio_default
     with debug.trace() as t:
         for w in ("b", "c", "a"):
             call(a, w, abs, (-1,))
@@ -188,8 +178,8 @@ def test_the_widget_bounds_what_it_draws() -> None:
     assert "… and 3500 more messages" in svg
 
 
-def test_nbrpcs_own_introspection_is_left_out_unless_asked_for(trio) -> None:
-    a, b, c = trio
+def test_nbrpcs_own_introspection_is_left_out_unless_asked_for(trio_default) -> None:
+    a, b, c = trio_default
     for internal in (False, True):
         with debug.trace(internal=internal) as t:
             debug.rref_graph()  # a snapshot call to every member
