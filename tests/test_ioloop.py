@@ -75,3 +75,29 @@ def test_cancelled_timers_do_not_accumulate() -> None:
         loop.cancel(oldest)
     finally:
         loop.stop()
+
+
+def test_messages_to_a_peer_whose_address_is_not_known_yet_wait_and_keep_their_order() -> None:
+    """A member may hear from a peer before the member table with that peer's
+    address reaches it; its answers wait for the address instead of being lost."""
+    key = new_key()
+    got: list = []
+    a = IOLoop(key, 0, lambda env: None, name="nbrpc-io-test-a")
+    b = IOLoop(key, 1, got.append, name="nbrpc-io-test-b")
+    try:
+        for loop in (a, b):
+            loop.bind()
+            loop.start()
+        for i in range(5):
+            a.send(1, 0, i, b"early")  # b's address is not known to a yet
+        assert not poll_for(lambda: got, timeout=0.2)
+        a.set_address(1, b.address)
+        a.send(1, 0, 5, b"late")  # after the held ones, never before
+        assert poll_for(lambda: len(got) == 6, timeout=5), got
+        assert [env.msg_id for env in got] == list(range(6))
+        a.forget(2)  # a peer that left: its messages are dropped, not held
+        a.send(2, 0, 9, b"gone")
+        assert not a._held
+    finally:
+        a.stop()
+        b.stop()

@@ -43,6 +43,7 @@ log = logging.getLogger(__name__)
 
 _RECV_BATCH = 256  # messages read per wake-up before call_soon work is served again
 _LINGER_MS = 500  # how long close() lets queued frames drain: after a graceful stop only
+MAX_HELD = 10_000  # messages held per peer whose address is not known yet
 # final control notes remain (ms on a live link), and a note to a peer already gone
 # would otherwise hold every shutdown for the whole linger
 _MAX_SLEEP_MS = 500  # the loop wakes at least this often to look at new timers
@@ -77,6 +78,11 @@ class IOLoop:
         self._shm = shm.ShmWriter(copy or shm.plain_copy) if shm.available() else None
         self._dealers_lock = threading.Lock()
         self._addresses: dict[int, str] = {}
+        # Messages to a member whose address has not reached us yet (a peer that
+        # got the member table first may call us before we have it), sent in
+        # order once it does; a forgotten peer's messages are dropped instead.
+        self._held: dict[int, deque] = {}
+        self._forgotten: set[int] = set()
         self._queue: deque = deque()
         self._timers: list = []
         self._timer_seq = itertools.count()
@@ -116,15 +122,30 @@ class IOLoop:
         self._thread.start()
 
     def set_address(self, peer: int, address: str) -> None:
-        """Tell the loop where ``peer`` listens; a changed address reconnects."""
-        old = self._addresses.get(peer)
-        self._addresses[peer] = address
+        """Tell the loop where ``peer`` listens; a changed address reconnects.
+        Messages held for it (sent before its address was known) go out first."""
+        with self._dealers_lock:
+            old = self._addresses.get(peer)
+            self._addresses[peer] = address
+            self._forgotten.discard(peer)
+            held = self._held.pop(peer, None)
+            dealer = self._new_dealer(peer, address) if held else None
+            if dealer is not None:  # before any other sender can see the dealer: in order
+                dealer.queue.extend(held)
         self._same_host.pop(peer, None)
         if old is not None and old != address:
             self.call_soon(self._drop_dealer, peer)
+        if dealer is not None:
+            self._flush(dealer)
 
     def forget(self, peer: int) -> None:
-        self._addresses.pop(peer, None)
+        with self._dealers_lock:
+            self._addresses.pop(peer, None)
+            self._forgotten.add(peer)
+            dropped = self._held.pop(peer, ())
+        if dropped:
+            log.warning("dropping %d message(s) to peer %d: it left before its address "
+                        "was known", len(dropped), peer)
         self.call_soon(self._drop_dealer, peer)
 
     @property
@@ -183,13 +204,16 @@ class IOLoop:
             self._sent_to_self[1] += nbytes
             self.call_soon(self._deliver, _copy_frames(frames))
             return
-        dealer = self._dealers.get(peer) or self._open_dealer(peer)
-        if dealer is None:
+        dealer = self._dealers.get(peer) or self._open_dealer(peer, frames, nbytes)
+        if dealer is None:  # held until the address is known, or dropped
             return
-        # Combining: whoever holds the lock sends everything queued; a thread
-        # that finds it taken leaves its frames and returns, never sleeps.
+        dealer.queue.append((frames, nbytes))
+        self._flush(dealer)
+
+    def _flush(self, dealer: _Dealer) -> None:
+        """Send what ``dealer`` has queued. Combining: whoever holds the lock sends
+        everything queued; a thread that finds it taken leaves and never sleeps."""
         queue, lock = dealer.queue, dealer.lock
-        queue.append((frames, nbytes))
         while queue:
             if not lock.acquire(blocking=False):
                 return  # the holder re-checks the queue after releasing
@@ -205,22 +229,38 @@ class IOLoop:
             finally:
                 lock.release()
 
-    def _open_dealer(self, peer: int) -> _Dealer | None:
+    def _open_dealer(self, peer: int, frames: list, nbytes: int) -> _Dealer | None:
+        """The connection to ``peer``, made now; None when the message (``frames``)
+        cannot go yet (held until ``peer``'s address is known) or at all (dropped)."""
         with self._dealers_lock:
             entry = self._dealers.get(peer)
             if entry is not None:
                 return entry
             address = self._addresses.get(peer)
+            if address is None and not (self._stopping or self._ctx.closed
+                                        or peer in self._forgotten):
+                held = self._held.setdefault(peer, deque())
+                if len(held) < MAX_HELD:
+                    held.append((frames, nbytes))
+                    return None
             if address is None or self._stopping or self._ctx.closed:
                 log.warning("dropping a message to peer %d: %s", peer,
-                            "address unknown" if address is None else "transport stopped")
+                            "transport stopped" if address is not None or self._stopping
+                            else "it left the group" if peer in self._forgotten
+                            else f"its address is unknown and {MAX_HELD} messages wait")
                 return None
-            sock = self._ctx.socket(zmq.DEALER)
-            sock.setsockopt(zmq.SNDHWM, 0)
-            sock.setsockopt(zmq.LINGER, _LINGER_MS)
-            sock.connect(address)
-            dealer = self._dealers[peer] = _Dealer(sock)
-            return dealer
+            return self._new_dealer(peer, address)
+
+    def _new_dealer(self, peer: int, address: str) -> _Dealer | None:
+        """Connect to ``peer`` (the caller holds the dealers' lock)."""
+        if self._stopping or self._ctx.closed:
+            return None
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.SNDHWM, 0)
+        sock.setsockopt(zmq.LINGER, _LINGER_MS)
+        sock.connect(address)
+        dealer = self._dealers[peer] = _Dealer(sock)
+        return dealer
 
     def call_soon(self, fn: Callable, *args: Any) -> None:
         """Run ``fn(*args)`` on the I/O thread (safe from any thread)."""
