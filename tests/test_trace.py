@@ -189,3 +189,16 @@ def test_nbrpcs_own_introspection_is_left_out_unless_asked_for(trio_default) -> 
             assert whats == {"abs": 1, "nbrpc:_snapshot_here": 3}, whats
         else:
             assert whats == {"abs": 1}, whats
+
+
+def test_leaving_the_block_waits_for_the_answers_to_calls_it_did_not_wait_for(
+        trio_default) -> None:
+    import time
+
+    a, b, c = trio_default
+    for settle, answered in ((2.0, True), (0.0, False)):
+        with debug.trace(settle=settle) as t:
+            fut = a.rpc_async("b", time.sleep, (0.3,))
+        replies = [m for m in t.messages if m["kind"] == "reply" and m["what"] == "sleep"]
+        assert bool(replies) == answered, t.messages
+        fut.wait()

@@ -830,6 +830,11 @@ class Agent:
                 self._remove_member(rank, dead=False)
 
     # -- observability -------------------------------------------------------
+    def unanswered_since(self, started: float) -> int:
+        """Calls this agent sent at or after ``started`` (``time.perf_counter()``)
+        that have no answer yet."""
+        return sum(p.started >= started for p in list(self._pending.values()))
+
     def snapshot(self, events: int | None = 200) -> dict[str, Any]:
         """This agent's state as plain data (the debug layer gathers these)."""
         now = time.perf_counter()

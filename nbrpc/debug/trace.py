@@ -80,7 +80,8 @@ def family(op: str) -> str:
 class Trace:
     """The messages and events of a traced block, on the driver's clock.
 
-    ``messages``: one dict per request and per reply, in time order: ``kind``
+    ``messages``: the requests any member sent while the block ran, and their
+    replies, one dict each, in time order: ``kind``
     (``call``, ``rref``, ``rref-protocol``, ``autograd``, ``reply``), ``op``,
     ``what`` (function or RRef), ``src``, ``dst``, ``msg_id``, ``nbytes``, ``t0``
     (left) and ``t1`` (arrived; ``None`` if not within the trace), and for
@@ -99,7 +100,9 @@ class Trace:
     events: list[dict[str, Any]] = field(default_factory=list)
     lost: dict[str, str] = field(default_factory=dict)
     internal: bool = False
+    settle: float = 2.0
     _offsets: dict[str, float] = field(default_factory=dict, repr=False)
+    _started: float = field(default=0.0, repr=False)
     _timeout: float = field(default=10.0, repr=False)
 
     # -- recording -----------------------------------------------------------------
@@ -115,13 +118,19 @@ class Trace:
             mid = (sent + time.time()) / 2
             self._offsets[name] = 0.0 if remote_host == host else remote - mid
         self.workers = list(futs)
+        self._started = time.perf_counter()
         self.start = time.time()
         return self
 
     def __exit__(self, *exc: Any) -> None:
+        agent = current_agent("debug.trace")
+        # calls the block made but did not wait for (a context's release, an
+        # async call) are answered before the logs are read, within ``settle`` s
+        deadline = time.monotonic() + self.settle
+        while agent.unanswered_since(self._started) and time.monotonic() < deadline:
+            time.sleep(0.002)
         end = time.time()
         self.duration = end - self.start
-        agent = current_agent("debug.trace")
         futs = {}
         for w in agent.worker_infos():
             off = self._offsets.get(w.name)
@@ -164,21 +173,16 @@ class Trace:
                     events.append({"worker": worker, "time": t, "event": event, "op": op,
                                    "peer": peer, "detail": detail})
         messages = []
-        for key in sends.keys() | serves.keys() | recvs.keys():
+        for key, send in sends.items():  # what the block sent, and the answers
             caller, callee, msg_id = key
-            send, serve, recv = sends.get(key), serves.get(key), recvs.get(key)
-            op = (send or serve or recv)[1]
-            what = send[3] if send else ""
+            serve, recv = serves.get(key), recvs.get(key)
+            t, op, nbytes, what = send
             if not self.internal and what.startswith(INTERNAL):
                 continue
-            if send is None and recv is None and serve[0] - serve[3] < 0:
-                continue  # a call answered before the start whose serve was logged late
-            if send or serve:
-                messages.append({
-                    "kind": family(op), "op": op, "what": what, "src": caller, "dst": callee,
-                    "msg_id": msg_id, "nbytes": send[2] if send else None,
-                    "t0": send[0] if send else None,
-                    "t1": serve[0] - serve[3] if serve else None})
+            messages.append({
+                "kind": family(op), "op": op, "what": what, "src": caller, "dst": callee,
+                "msg_id": msg_id, "nbytes": nbytes, "t0": t,
+                "t1": serve[0] - serve[3] if serve else None})
             if serve or recv:
                 timed_out = recv is not None and recv[4] == "timeout"
                 messages.append({
@@ -333,7 +337,7 @@ def _plural(n: int, word: str) -> str:
     return word[:-1] + "ies" if word.endswith("y") else word + "s"
 
 
-def trace(timeout: float = 10.0, internal: bool = False) -> Trace:
+def trace(timeout: float = 10.0, internal: bool = False, settle: float = 2.0) -> Trace:
     """Record the messages between the members while a ``with`` block runs.
 
     ``with nbrpc.debug.trace() as t: ...`` then ``t.widget()`` (a sequence
@@ -341,6 +345,8 @@ def trace(timeout: float = 10.0, internal: bool = False) -> Trace:
     the agents' always-on bounded event logs, so it costs nothing on the call
     path; only entering and leaving the block make one call to each member.
     ``internal=True`` keeps nbrpc's own introspection calls (the live cluster
-    view's probes, ``debug`` snapshots) in the trace.
+    view's probes, ``debug`` snapshots) in the trace. Leaving the block first
+    waits (at most ``settle`` seconds) for the answers to calls the block sent
+    from here without waiting for them, so that they are in the trace too.
     """
-    return Trace(workers=[], internal=internal, _timeout=timeout)
+    return Trace(workers=[], internal=internal, settle=settle, _timeout=timeout)
