@@ -4,29 +4,18 @@ PyTorch, bounded drawing, and the gradient-norm plot. Four agents in this proces
 
 from __future__ import annotations
 
-import contextlib
 import re
-from collections.abc import Iterator
 
 import pytest
 import torch
 from conftest import local_group, poll_for
+from test_autograd_inprocess import acting_as, explode, make_param, tanh_mm
 
 from nbrpc import autograd as dist_autograd
-from nbrpc.agent.agent import _local
 from nbrpc.jupyter import stepper_view
 from nbrpc.jupyter.stepper_graph import LAST, MAX_NODES
 from nbrpc.jupyter.stepper_view import StepperView, plot_grad_norms, stepper_html
 from nbrpc.rpc import RRef, remote, rpc_sync
-
-
-@contextlib.contextmanager
-def acting_as(agent) -> Iterator[None]:
-    _local.agent = agent
-    try:
-        yield
-    finally:
-        _local.agent = None
 
 
 @pytest.fixture
@@ -37,31 +26,7 @@ def group():
                         timeout=5)
 
 
-# -- functions that run on the workers --------------------------------------------------
-def make_param(seed: int, *shape: int) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn(*shape, generator=g).requires_grad_()
-
-
-def tanh_mm(x: torch.Tensor, w: RRef, then: str | None = None, w2: RRef | None = None):
-    y = torch.tanh(x @ w.local_value())
-    return y if then is None else rpc_sync(then, tanh_mm, (y, w2))
-
-
-class Explode(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x):
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx, g):
-        raise ValueError("boom in backward")
-
-
-def explode(x: torch.Tensor) -> torch.Tensor:
-    return Explode.apply(x) * 2
-
-
+# -- functions that run on the workers (shared with test_autograd_inprocess) -------------
 def local(t: torch.Tensor) -> torch.Tensor:
     return t.detach().clone().requires_grad_()
 
