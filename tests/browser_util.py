@@ -215,18 +215,21 @@ SHOWN = ".jp-NotebookPanel:not(.lm-mod-hidden) .jp-Notebook"
 
 
 class Notebook:
-    """One notebook open in JupyterLab in a Playwright page."""
+    """One notebook open in JupyterLab (or Notebook 7, ``app="notebook"``, served by
+    the same server) in a Playwright page."""
 
-    def __init__(self, lab: Lab, page: Any, name: str) -> None:
-        self.lab, self.page, self.name = lab, page, name
+    def __init__(self, lab: Lab, page: Any, name: str, app: str = "lab") -> None:
+        self.lab, self.page, self.name, self.app = lab, page, name, app
         self.path = lab.root / name
 
     def open(self, timeout: float = 120.0) -> Notebook:
         """Open it alone (``?reset``: no tabs restored from earlier pages) and wait
         for its kernel."""
-        self.page.goto(self.lab.url(f"lab/tree/{self.name}", "reset"), timeout=timeout * 1000)
+        where = f"lab/tree/{self.name}" if self.app == "lab" else f"notebooks/{self.name}"
+        self.page.goto(self.lab.url(where, "reset" if self.app == "lab" else ""),
+                       timeout=timeout * 1000)
         self.page.wait_for_selector(f"{SHOWN} .jp-Cell", timeout=timeout * 1000)
-        if self.page.locator("#jp-left-stack").is_visible():
+        if self.app == "lab" and self.page.locator("#jp-left-stack").is_visible():
             self.page.keyboard.press("Control+b")  # hide the file browser: room for the views
         wait_until(lambda: self.kernel_state() == "idle", timeout,
                    lambda: f"the kernel of {self.name} to be idle (now "

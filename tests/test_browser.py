@@ -124,10 +124,11 @@ def opened(lab: Lab) -> Iterator[list[Notebook]]:
         nb.shutdown()
 
 
-def run(lab: Lab, page: Any, name: str, opened: list[Notebook]
+def run(lab: Lab, page: Any, name: str, opened: list[Notebook], app: str = "lab"
         ) -> tuple[Notebook, dict[str, Any]]:
-    """Open ``name``, Run All, save; fail with the errors if a cell raised."""
-    nb = Notebook(lab, page, name)
+    """Open ``name`` (in JupyterLab, or ``app="notebook"``: Notebook 7), Run All,
+    save; fail with the errors if a cell raised."""
+    nb = Notebook(lab, page, name, app)
     opened.append(nb)
     nb.open(timeout=180)
     secs = nb.run_all(timeout=NOTEBOOK_TIMEOUT)
@@ -193,6 +194,19 @@ def test_a_view_renders_and_its_buttons_and_marks_reach_python(lab, page, shots,
     shots(nb, trace, "basics_trace")
     assert not [e for e in page.console_errors if "nbrpc" in e or "anywidget" in e], \
         page.console_errors
+
+
+def test_a_view_works_in_notebook_7_too(lab, page, shots, opened) -> None:
+    if importlib.util.find_spec("notebook") is None:
+        pytest.skip("the notebook package (Notebook 7) is not installed")
+    nb, _ = run(lab, page, "widget_basics.ipynb", opened, app="notebook")
+    wait_until(lambda: nb.views().count() == 2, 60, lambda: f"2 views, {nb.views().count()}")
+    clicks, trace = nb.views().nth(0), nb.views().nth(1)
+    clicks.locator("button[data-id=bump]").click()
+    wait_text(clicks.locator(".count"), "pressed 1")  # Python redrew it
+    trace.locator(".nbrpc-msg").first.click()
+    wait_text(trace.locator(".nbrpc-panel"), "message 0")
+    shots(nb, trace, "notebook7_trace")
 
 
 def test_a_real_rref_graph_and_stepper_answer_clicks(lab, page, shots, opened) -> None:
