@@ -35,8 +35,15 @@ def hold(rref: RRef, seconds: float) -> int:
     return 1
 
 
-def holders(view: RRefGraphView, rid: str) -> dict[str, str]:
-    return {h: s for (h, _), s in view.model["nodes"][rid]["holders"].items()}
+def fresh(view: RRefGraphView) -> dict:
+    """The view's model after a refresh (for polling)."""
+    view.refresh()
+    return view.model
+
+
+def holders(view: RRefGraphView, rid: str, refresh: bool = False) -> dict[str, str]:
+    model = fresh(view) if refresh else view.model
+    return {h: s for (h, _), s in model["nodes"][rid]["holders"].items()}
 
 
 def test_remote_fork_and_delete_as_the_view_sees_them(trio_default) -> None:
@@ -54,13 +61,13 @@ def test_remote_fork_and_delete_as_the_view_sees_them(trio_default) -> None:
     assert f"  {rid} on b: test_rref_graph_view.Box" in view.text()
 
     busy = a.rpc_async("c", hold, (r, 0.6))  # c holds a fork while the call runs
-    assert poll_for(lambda: (view.refresh(), set(holders(view, rid)))[1] == {"a", "c"})
+    assert poll_for(lambda: set(holders(view, rid, refresh=True)) == {"a", "c"})
     assert "held by a, c; ready" in view.text()
     assert view.html.count("fork ") >= 2  # one line per fork, with a hover title
     assert busy.wait() == 1
     del r, busy
     gc.collect()
-    assert poll_for(lambda: (view.refresh(), view.model["nodes"])[1] == {})
+    assert poll_for(lambda: fresh(view)["nodes"] == {})
     assert view.text().startswith("RRef graph: 0 values on 0 owners, 0 user forks")
     view.close()
 
@@ -73,7 +80,7 @@ def test_a_pending_fork_is_drawn_as_pending(trio_default) -> None:
     c.faults.add("rref_fork", "delay", delay=1.5)  # c's registration with b is late
     done = a.rpc_async("c", hold, (r, 0.0))
     view = RRefGraphView()
-    assert poll_for(lambda: (view.refresh(), view.model["nodes"][rid]["pending"])[1], timeout=3)
+    assert poll_for(lambda: fresh(view)["nodes"][rid]["pending"], timeout=3)
     node = view.model["nodes"][rid]
     assert [(src, dst) for src, dst, _ in node["pending"]] == [("a", "c")]
     assert holders(view, rid)["c"] == "pending"
@@ -81,7 +88,7 @@ def test_a_pending_fork_is_drawn_as_pending(trio_default) -> None:
     assert "1 pending fork" in view.text() and "c (pending)" in view.text()
     assert "flagged" not in view.model["nodes"][rid]["flags"]
     assert done.wait() == 1
-    assert poll_for(lambda: (view.refresh(), not view.model["nodes"][rid]["pending"])[1],
+    assert poll_for(lambda: not fresh(view)["nodes"][rid]["pending"],
                     timeout=5)
     assert "0 pending forks" in view.text()
     del r, done
@@ -137,7 +144,7 @@ def test_forget_outputs_drops_an_rref_kept_by_out(trio_default, monkeypatch) -> 
         view._on_front_end(view, {"event": "control", "id": "forget"}, None)
         assert view.forgot is not None and view.forgot["a"] >= 1
         assert "forgot" in view.status
-        assert poll_for(lambda: (view.refresh(), rid not in view.model["nodes"])[1], timeout=5)
+        assert poll_for(lambda: rid not in fresh(view)["nodes"], timeout=5)
         view.close()
     finally:
         InteractiveShell.clear_instance()

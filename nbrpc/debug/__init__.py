@@ -53,8 +53,6 @@ class OwnerMap(dict):
         return views.make("owner_map", self, **options)
 
 
-Graph = RRefGraph
-
 
 def snapshot(events: int | None = 200) -> dict[str, Any]:
     """This worker's agent state: counters, in-flight calls, recent events, RRefs."""
@@ -75,7 +73,7 @@ def gather(events: int | None = 200, timeout: float = 10.0) -> list[dict[str, An
 
 
 # -- the RRef graph --------------------------------------------------------------
-def rref_graph(snapshots: list[dict[str, Any]] | None = None) -> Graph:
+def rref_graph(snapshots: list[dict[str, Any]] | None = None) -> RRefGraph:
     """Every RRef in the group as plain data.
 
     ``values``: rref id → owner, state, type, size, creation site, age,
@@ -138,7 +136,7 @@ def rref_table(snapshots: list[dict[str, Any]] | None = None) -> list[dict[str, 
     return sorted(rows, key=lambda r: (r["rref_id"], r["role"] != "owner", r["worker"]))
 
 
-def to_networkx(graph: Graph | None = None) -> Any:
+def to_networkx(graph: RRefGraph | None = None) -> Any:
     """The RRef graph as a ``networkx.MultiDiGraph``: worker nodes and value nodes
     (``"rref 0:3"``); edges owner → value (``owns``), value → holder (``held``,
     with fork id and state), parent → child (``pending``)."""
