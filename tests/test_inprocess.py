@@ -24,6 +24,7 @@ from nbrpc.errors import (
     WorkerGoneError,
 )
 from nbrpc.rpc.functions import async_execution
+from nbrpc.transport import new_key, pack
 
 
 # -- functions that run remotely (importable: pickled by reference) -------------
@@ -250,11 +251,15 @@ def test_tampered_message_dropped_unread(trio) -> None:
     s.setsockopt(zmq.LINGER, 0)
     s.connect(b.address)
     try:
-        s.send_multipart([bytes(32), b"\x01" * 24, b"cos\nsystem\n(S'echo pwned'\ntR."])
-        assert poll_for(lambda: b.io.dropped_bad == 1)
+        evil = b"cos\nsystem\n(S'echo pwned'\ntR."
+        s.send_multipart([bytes(32), b"\x01" * 24, evil])  # not even framed
+        s.send_multipart(pack(new_key(), 1, 0, 1, evil))  # framed, signed with another key
+        assert poll_for(lambda: sum(b.io.dropped.values()) == 2)
     finally:
         s.close()
-    assert b.snapshot()["counters"]["dropped_bad_signature"] == 1
+    counters = b.snapshot()["counters"]
+    assert counters["dropped"] == {"framing": 1, "bad signature": 1}
+    assert counters["dropped_bad_signature"] == 1
     assert a.rpc_async("b", add, (5, 5)).wait() == 10
 
 

@@ -12,10 +12,13 @@ Threads of one agent::
                                     └─ REQUEST:  worker pool ─▶ handler ─▶ reply
                                                  (the worker sends the reply itself)
 
-Failure detection: every ``heartbeat_interval`` members and the coordinator
-exchange heartbeats; a member silent for ``failure_timeout`` is declared dead,
-its calls fail with :class:`WorkerGoneError`, and upper layers' ``gone_hooks``
-run (the RRef layer releases the forks it held).
+Failure detection (see :mod:`.group`): a member whose connection closed (its
+process exited) is declared dead after ``link_timeout``; one that is only
+silent (busy, stopped) after ``failure_timeout``. Its calls fail with
+:class:`WorkerGoneError`, upper layers' ``gone_hooks`` run (the RRef layer
+releases the forks it held), and the shared-memory segments it left are
+swept. Every ``heartbeat_interval`` members and the coordinator exchange
+heartbeats; a member declared dead that is heard from again is taken back.
 
 A REQUEST payload names its handler by ``op``. ``call`` is built in; upper
 layers install more through :func:`register_extension` (the RRef layer adds
@@ -49,7 +52,8 @@ from ..errors import (
     WorkerGoneError,
 )
 from ..serialize import current_context, dumps, loads, parallel_copy
-from ..transport import Envelope, IOLoop
+from ..transport import Envelope, IOLoop, shm
+from ..transport.frames import DEFAULT_MAX_MESSAGE
 from . import gcfreeze
 from .asyncfn import check_future, is_async
 from .events import EventLog
@@ -208,7 +212,14 @@ class AgentOptions:
     port: int = 0
     event_log_size: int = 10_000
     heartbeat_interval: float = 0.5  # seconds between heartbeats; 0 turns detection off
-    failure_timeout: float = 2.0  # a member silent this long is declared dead
+    # a member silent this long while its connection stays up (busy, stopped, or
+    # its host unreachable) is declared dead
+    failure_timeout: float = 30.0
+    # a member whose connection closed (its process exited) and that has been
+    # silent this long is declared dead
+    link_timeout: float = 1.0
+    max_message_size: int = DEFAULT_MAX_MESSAGE  # bytes a received message may declare
+    max_message_age: float = 300.0  # older (by the sender's clock) is refused as a replay
     control_retry: float = 1.0  # first retry of an unanswered protocol message (doubles)
     gc_freeze: bool = True  # keep full GC collections short while running (see gcfreeze)
 
@@ -238,11 +249,14 @@ class Agent:
             raise ValueError(f"rank must be a non-negative int, got {rank!r}")
         self.name, self.rank, self.world_size = name, rank, world_size
         self.options = opts = options or AgentOptions()
+        _check_options(opts)
         self._key = key
         self.info = WorkerInfo(name, rank)
         self.io = IOLoop(key, rank, self._on_message, name=f"nbrpc-io[{name}]",
-                         copy=parallel_copy)
+                         copy=parallel_copy, max_message_size=opts.max_message_size,
+                         max_age=opts.max_message_age)
         self.address = self.io.bind(opts.host, opts.port)
+        self._member = Member(name, rank, self.address)
         self.pool = WorkerPool(opts.num_worker_threads, f"nbrpc-worker[{name}]",
                                self._adopt_thread, self.io.call_later)
         self.events = EventLog(opts.event_log_size)
@@ -272,6 +286,10 @@ class Agent:
         self._sent: Counter[int] = Counter()  # requests sent, per peer (under _lock)
         self._served: Counter[int] = Counter()  # requests answered, per caller (under _lock)
         self._coordinator_seen = 0.0  # when rank 0 was last heard from
+        self._coordinator_address: str | None = None
+        self._last_tick = 0.0
+        self._shutdown_cut: str | None = None  # why a graceful shutdown stopped waiting
+        self.readmitted = 0  # members (or the coordinator) taken back after a wrong suspicion
         self._gc_held = False
         self.timeouts = self.late_replies = self.remote_errors = 0
         for install in _EXTENSIONS:
@@ -293,14 +311,16 @@ class Agent:
             self._gc_held = True
         self.io.start()
         self.io.call_soon(self._adopt_thread)
-        join = Join(Member(self.name, self.rank, self.address), self.world_size)
+        join = Join(self._member, self.world_size)
         if self.options.heartbeat_interval > 0:
+            self._last_tick = time.monotonic()
             self.io.call_later(self.options.heartbeat_interval, self._tick)
         if self._coordinator is not None:
             self.io.call_soon(self._on_join, join)
         else:
             if coordinator_address is None:
                 raise RendezvousError("a non-coordinator agent needs the coordinator's address")
+            self._coordinator_address = coordinator_address
             self.io.set_address(0, coordinator_address)
             self._send_control(0, join)
 
@@ -359,9 +379,19 @@ class Agent:
                     self._drain_group(deadline, limit)
             except RpcTimeoutError as e:
                 error = e
+        if self._shutdown_cut:
+            log.warning("nbrpc agent %r: graceful shutdown cut short: %s", self.name,
+                        self._shutdown_cut)
         self._stop_local()
         if error is not None:
             raise error
+
+    def _cut_shutdown(self, why: str) -> None:
+        """Stop a graceful shutdown's waits: the group it waits for is gone."""
+        self._shutdown_cut = why
+        for verdict in list(self._verdicts.values()):
+            if not verdict.done():
+                verdict.set_result(True)
 
     def _run_shutdown_hooks(self, leak_check: bool) -> None:
         for hook in self.shutdown_hooks:
@@ -389,7 +419,7 @@ class Agent:
             _Default.agent = None
 
     def _wait_local_idle(self, deadline: float, limit: float, busy: bool = False) -> None:
-        while self._pending or (busy and self._busy()):
+        while (self._pending or (busy and self._busy())) and not self._shutdown_cut:
             if time.monotonic() > deadline:
                 raise RpcTimeoutError(
                     f"shutdown waiting for {len(self._pending)} outstanding call(s) and "
@@ -397,7 +427,7 @@ class Agent:
             time.sleep(0.002)
 
     def _drain_group(self, deadline: float, limit: float) -> None:
-        while True:  # bounded by the deadline
+        while not self._shutdown_cut:  # bounded by the deadline
             self._wait_local_idle(deadline, limit)
             rnd = next(self._rounds)
             verdict = self._verdicts[rnd] = Verdict()
@@ -412,7 +442,7 @@ class Agent:
                                       limit) from None
             finally:
                 del self._verdicts[rnd]
-            if done:
+            if done or self._shutdown_cut:
                 return
             if active:  # protocol work waits on other workers: do not spin
                 time.sleep(0.005)
@@ -500,6 +530,13 @@ class Agent:
                 hook(rank)
             except Exception:
                 log.exception("a member-gone hook failed for rank %d", rank)
+        if rank == 0 and self.state == "stopping":
+            self._cut_shutdown(f"the coordinator {m.name!r} {why}")
+        if dead:  # a killed process leaves its shared-memory segments behind
+            try:
+                shm.sweep_orphans()
+            except Exception:
+                log.exception("sweeping shared-memory segments of rank %d failed", rank)
 
     def is_member(self, rank: int) -> bool:
         """Whether ``rank`` is in this agent's current member table."""
@@ -528,8 +565,8 @@ class Agent:
         ``keep`` is held until the answer (see :meth:`request`)."""
         if not callable(fn):
             raise TypeError(f"func must be callable, got {type(fn).__name__}")
-        return self.request(to, Call(fn, tuple(args or ()), dict(kwargs or {})), timeout,
-                            keep=keep)
+        args, kwargs = call_args(args, kwargs)
+        return self.request(to, Call(fn, args, kwargs), timeout, keep=keep)
 
     def request(self, to: Any, msg: Any, timeout: float = -1.0, inline: bool = False,
                 keep: Any = None,
@@ -542,8 +579,7 @@ class Agent:
         if self.state not in ("ready", "stopping"):
             raise ShutdownError(f"agent {self.name!r} is {self.state}; it takes no new calls")
         peer = self.resolve(to).rank
-        if timeout is None or timeout < 0:
-            timeout = self.options.rpc_timeout
+        timeout = check_timeout(timeout, self.options.rpc_timeout)
         tag = None if inline or self.propagator is None else self.propagator.current()
         if tag is not None:
             self.propagator.sent(tag, peer)
@@ -657,7 +693,7 @@ class Agent:
         elif kind == CONTROL:
             self._on_control(env)
         else:
-            log.warning("dropping a message of unknown kind %d", kind)
+            self.io.note_drop("unknown kind", f"kind {kind} from rank {env.sender}")
 
     def _serve(self, env: Envelope) -> None:
         started = time.perf_counter()
@@ -742,6 +778,8 @@ class Agent:
         if self._coordinator is not None:
             self._coordinator.heard_from(env.sender, now)
         if t is Heartbeat:
+            if msg.member is not None and msg.member.rank == env.sender:
+                self._heard_heartbeat(msg)
             return
         if t is Members:
             if msg.error:
@@ -776,9 +814,20 @@ class Agent:
 
     def _on_join(self, join: Join) -> None:
         m = join.member
-        if m.rank != self.rank:
+        holder = self._coordinator.members.get(m.rank)
+        out = self._coordinator.on_join(join)
+        refusal = next((r.error for _, r in out if type(r) is Members and r.error), None)
+        if refusal is not None:
+            log.error("nbrpc coordinator %r refused %r (rank %d): %s", self.name, m.name,
+                      m.rank, refusal)
+            if self.world_size is not None and self.state == "joining":
+                self._join_error = f"a worker tried to join and was refused: {refusal}"
+                self._joined.set()  # rank 0's init_rpc fails now, not at its timeout
+            if holder is not None:  # its rank is a member's: the refusal cannot reach it
+                out = []
+        if m.rank != self.rank and (refusal is None or holder is None):
             self.io.set_address(m.rank, m.address)
-        self._dispatch(self._coordinator.on_join(join))
+        self._dispatch(out)
         if (self.world_size is None and m.rank != self.rank
                 and self._coordinator.members.get(m.rank) == m):
             # dynamic group: the coordinator is a member too (it calls the
@@ -799,35 +848,75 @@ class Agent:
             return
         opts = self.options
         self.io.call_later(opts.heartbeat_interval, self._tick)
+        now = time.monotonic()
+        # Late by over a second: this process was stopped or its GIL held, so
+        # nobody's silence meanwhile says anything about them.
+        stalled = now - self._last_tick > opts.heartbeat_interval + max(1.0, opts.heartbeat_interval)
+        self._last_tick = now
         if not self._joined.is_set() or self._join_error:
             return
-        now = time.monotonic()
+        beat = Heartbeat(self._member, self.world_size)
         if self._coordinator is not None:
-            for rank in self._coordinator.expired(now, opts.failure_timeout):
+            if stalled:
+                self._coordinator.watch_all(now)
+            down = {r: self.io.link_down_since(r) for r in self._coordinator.last_seen}
+            for rank in self._coordinator.expired(now, opts.failure_timeout,
+                                                  opts.link_timeout, down):
+                why = self._death(now, down.get(rank))
                 self._dispatch(self._coordinator.on_leave(rank, dead=True))
-                self._remove_member(rank, dead=True)
-            for rank in list(self._members):
-                if rank != 0:
-                    self._dispatch([(rank, Heartbeat())])
+                self._remove_member(rank, dead=True, why=why)
+            self._dispatch([(rank, beat) for rank in self._members if rank != 0])
             return
         if 0 not in self._members:
-            return
-        if self._coordinator_seen and now - self._coordinator_seen > opts.failure_timeout:
-            self._remove_member(0, dead=True)
-            return
-        if not self._coordinator_seen:
+            return  # declared dead: its heartbeat, if it comes, takes it back
+        if stalled or not self._coordinator_seen:
             self._coordinator_seen = now
-        self._dispatch([(0, Heartbeat())])
+        silent, down_since = now - self._coordinator_seen, self.io.link_down_since(0)
+        if silent > opts.failure_timeout or (
+                down_since is not None and now - down_since > opts.link_timeout
+                and silent > opts.link_timeout):
+            self._remove_member(0, dead=True, why=self._death(now, down_since))
+            return
+        self._dispatch([(0, beat)])
+
+    def _death(self, now: float, down_since: float | None) -> str:
+        if down_since is not None and now - down_since > self.options.link_timeout:
+            return "died (its connection closed)"
+        return f"died (no heartbeat for {self.options.failure_timeout:g} s)"
+
+    def _heard_heartbeat(self, beat: Heartbeat) -> None:
+        """A heartbeat from someone this agent no longer counts as a member:
+        it was wrongly declared dead. The coordinator takes the member back
+        (as a re-join); a member whose coordinator came back joins it again."""
+        m = beat.member
+        if self._coordinator is not None:
+            if self._coordinator.readmits(m.rank) and self.state == "ready":
+                log.warning("nbrpc coordinator %r: %r (rank %d) is alive after all; "
+                            "taking it back", self.name, m.name, m.rank)
+                self.readmitted += 1
+                self._on_join(Join(m, beat.world_size))
+        elif m.rank == 0 and 0 not in self._members and self.state == "ready":
+            log.warning("nbrpc agent %r: the coordinator %r is alive after all; joining "
+                        "it again", self.name, m.name)
+            self.readmitted += 1
+            self._rejoin(m.address)
+
+    def _rejoin(self, address: str | None = None) -> None:
+        self._coordinator_seen = time.monotonic()
+        self.io.set_address(0, address or self._coordinator_address)
+        self._dispatch([(0, Join(self._member, self.world_size))])
 
     def _evicted(self) -> None:
-        """The coordinator declared this (slow, but alive) worker dead."""
-        log.error("nbrpc agent %r was declared dead by the coordinator (it was not heard "
-                  "from for %g s); it takes no new calls. Shut it down and start it again.",
-                  self.name, self.options.failure_timeout)
-        self.state = "failed"
-        for rank in list(self._members):
-            if rank != self.rank:
-                self._remove_member(rank, dead=False)
+        """The coordinator declared this (busy or stopped, but alive) worker dead."""
+        if self.state == "stopping":
+            self._cut_shutdown("the coordinator declared this worker dead")
+            return
+        if self.state != "ready":
+            return
+        log.warning("nbrpc agent %r was declared dead by the coordinator (it was not heard "
+                    "from in time); joining again. Calls to it meanwhile failed.", self.name)
+        self.readmitted += 1
+        self._rejoin()
 
     # -- observability -------------------------------------------------------
     def unanswered_since(self, started: float) -> int:
@@ -855,6 +944,8 @@ class Agent:
                 "bytes_sent": self.io.sent_bytes,
                 "bytes_received": self.io.recv_bytes,
                 "dropped_bad_signature": self.io.dropped_bad,
+                "dropped": dict(self.io.dropped),
+                "readmitted": self.readmitted,
                 "in_flight": len(self._pending),
                 "timeouts": self.timeouts,
                 "late_replies": self.late_replies,
@@ -897,6 +988,73 @@ def _what(msg: Any) -> str:
         return INTERNAL + name if getattr(fn, "__nbrpc_internal__", False) else name
     rref_id = getattr(msg, "rref_id", None)
     return "" if rref_id is None else f"RRef {rref_id}"
+
+
+def call_args(args: Any, kwargs: Any) -> tuple[tuple, dict]:
+    """``args`` and ``kwargs`` of a call, checked: a tuple (or list) and a dict.
+
+    >>> call_args([1, 2], None)
+    ((1, 2), {})
+    >>> call_args(5, None)
+    Traceback (most recent call last):
+    ...
+    TypeError: args must be a tuple of positional arguments, e.g. args=(5,); got int 5
+    """
+    if args is None:
+        args = ()
+    elif not isinstance(args, (tuple, list)):
+        raise TypeError(f"args must be a tuple of positional arguments, e.g. args=({args!r},); "
+                        f"got {type(args).__name__} {_short(args)}")
+    if kwargs is None:
+        kwargs = {}
+    elif not isinstance(kwargs, dict):
+        raise TypeError(f"kwargs must be a dict of keyword arguments, e.g. kwargs={{'x': 1}}; "
+                        f"got {type(kwargs).__name__} {_short(kwargs)}")
+    return tuple(args), kwargs
+
+
+def check_timeout(timeout: Any, default: float) -> float:
+    """A call's timeout in seconds: -1 (or None) means ``default``, 0 no timeout.
+
+    >>> check_timeout(-1, 60.0), check_timeout(2, 60.0)
+    (60.0, 2.0)
+    >>> check_timeout(float("nan"), 60.0)
+    Traceback (most recent call last):
+    ...
+    ValueError: timeout must be seconds >= 0 (0: no timeout) or -1 (the default, 60 s); got nan
+    """
+    if timeout is None:
+        return default
+    if not isinstance(timeout, (int, float)) or isinstance(timeout, bool):
+        raise TypeError(f"timeout must be a number of seconds (0: no timeout, -1: the "
+                        f"default {default:g} s); got {type(timeout).__name__} {_short(timeout)}")
+    if timeout == -1:
+        return default
+    if timeout == float("inf"):
+        return 0.0
+    if not timeout >= 0:  # (nan fails every comparison)
+        raise ValueError(f"timeout must be seconds >= 0 (0: no timeout) or -1 (the default, "
+                         f"{default:g} s); got {timeout!r}")
+    return float(timeout)
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _check_options(opts: AgentOptions) -> None:
+    for field in ("heartbeat_interval", "failure_timeout", "link_timeout", "max_message_age"):
+        value = getattr(opts, field)
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or not value >= 0:
+            raise ValueError(f"{field} must be a number of seconds >= 0, got {value!r}")
+    if opts.heartbeat_interval and opts.failure_timeout < 2 * opts.heartbeat_interval:
+        raise ValueError(
+            f"failure_timeout ({opts.failure_timeout:g} s) must be at least twice "
+            f"heartbeat_interval ({opts.heartbeat_interval:g} s)")
+    if not isinstance(opts.max_message_size, int) or opts.max_message_size < 1 << 20:
+        raise ValueError(f"max_message_size must be an int of at least 1 MiB, got "
+                         f"{opts.max_message_size!r}")
 
 
 def _check_name(name: Any) -> None:

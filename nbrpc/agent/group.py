@@ -21,9 +21,15 @@ move between the rounds (so no call slipped in between the reports). Counts
 are per peer, and only pairs of current members are summed, so a member that
 died with calls in flight does not keep the rest from agreeing.
 
-Failure detection: members and the coordinator exchange heartbeats; a member
-silent for ``failure_timeout`` is declared dead (:meth:`Coordinator.expired`)
-and everyone is told, as for a leave.
+Failure detection tells *gone* from *busy*. A process that exits (or is
+killed) has its connections closed by the kernel, which the transport sees at
+once: a member whose link is down and who has been silent for
+``link_timeout`` (1 s) is dead. A process that is busy (a C call holding the
+GIL), swapping or stopped keeps its connections, and is declared dead only
+after ``failure_timeout`` (30 s) without a heartbeat — the case of a host that
+vanished from the network. A member declared dead that is heard from again
+(its heartbeat names it) is taken back, as a re-join: wrong suspicion costs
+the calls that failed meanwhile, never the membership.
 """
 
 from __future__ import annotations
@@ -69,6 +75,7 @@ class Coordinator:
         self.world_size = world_size
         self.members: dict[int, Member] = {}
         self.last_seen: dict[int, float] = {}  # rank -> monotonic time last heard
+        self.left: set[int] = set()  # ranks that left on purpose (not taken back by heartbeat)
         self._reports: dict[int, dict[int, DrainReport]] = {}
         self._last_sums: tuple[int, int] | None = None
 
@@ -81,6 +88,9 @@ class Coordinator:
 
     def on_join(self, join: Join) -> Outbox:
         m = join.member
+        self.left.discard(m.rank)
+        if self.members.get(m.rank) == m:  # a member that thought it was dropped
+            return [(m.rank, Members(self.table()))] if self.complete else []
         error = self._check(m, join.world_size)
         if error:
             return [(m.rank, Members((), error))]
@@ -119,6 +129,8 @@ class Coordinator:
         if self.members.pop(rank, None) is None:
             return []
         self.last_seen.pop(rank, None)
+        if not dead:
+            self.left.add(rank)
         out: Outbox = [(r, MemberLeft(rank, dead)) for r in self.members if r != 0]
         if dead:  # in case it is alive after all: it learns it was dropped
             out.append((rank, MemberLeft(rank, dead)))
@@ -136,9 +148,31 @@ class Coordinator:
         for r in self.members:
             self.last_seen[r] = now
 
-    def expired(self, now: float, timeout: float) -> list[int]:
-        """Members (other than the coordinator) silent for longer than ``timeout``."""
-        return sorted(r for r, t in self.last_seen.items() if r != 0 and now - t > timeout)
+    def expired(self, now: float, timeout: float, link_timeout: float | None = None,
+                down: dict[int, float | None] | None = None) -> list[int]:
+        """Members (other than the coordinator) silent for longer than ``timeout``,
+        or whose link has been down (``down[rank]``: since when) and who have
+        been silent for longer than ``link_timeout``.
+
+        >>> c = Coordinator(None); c.members = {1: None, 2: None}; c.watch_all(0.0)
+        >>> c.expired(5.0, 30.0, 1.0, {1: 3.0, 2: None})
+        [1]
+        """
+        out = []
+        for r, seen in self.last_seen.items():
+            if r == 0:
+                continue
+            silent = now - seen
+            since = down.get(r) if down else None
+            if silent > timeout or (since is not None and link_timeout is not None
+                                    and now - since > link_timeout and silent > link_timeout):
+                out.append(r)
+        return sorted(out)
+
+    def readmits(self, rank: int) -> bool:
+        """Whether a heartbeat from ``rank`` (not a member) takes it back: it was
+        dropped as dead, not after leaving on purpose."""
+        return rank not in self.members and rank not in self.left
 
     # -- graceful shutdown ------------------------------------------------------
     def on_drain_report(self, sender: int, report: DrainReport) -> Outbox:

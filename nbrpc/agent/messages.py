@@ -115,7 +115,12 @@ class MemberLeft:
 @fast_pickle
 @dataclass(frozen=True, slots=True)
 class Heartbeat:
-    """Member → coordinator and coordinator → members, every heartbeat interval."""
+    """Member → coordinator and coordinator → members, every heartbeat interval.
+    It names its sender, so that a member wrongly declared dead (or a
+    coordinator its members gave up on) can be taken back when it is heard."""
+
+    member: Member | None = None
+    world_size: int | None = None
 
 
 @fast_pickle

@@ -38,7 +38,7 @@ from ..agent import (
     register_extension,
     wait_result,
 )
-from ..agent.agent import Wire
+from ..agent.agent import Wire, check_timeout
 from ..errors import NbrpcError, WorkerGoneError
 from ..serialize import current_context, register_reducer
 from .context import CancelFetch, Fetch, Remote, RRefContext, _settle
@@ -183,8 +183,7 @@ class RRef(Generic[T]):
             return self.local_value()
         self._check_owner()
         agent = self._agent
-        if timeout is None or timeout < 0:
-            timeout = agent.options.rpc_timeout
+        timeout = check_timeout(timeout, agent.options.rpc_timeout)
         # Not yet confirmed: the owner's pool may run this Fetch before the
         # message that creates the value, so say so and let the owner wait.
         # If the creation failed, the owner hears it (CancelFetch) and fails
@@ -288,7 +287,7 @@ class _Proxy:
         def invoke(*args: Any, **kwargs: Any) -> Any:
             agent = rref._agent
             rref._check_owner()
-            limit = agent.options.rpc_timeout if timeout is None or timeout < 0 else timeout
+            limit = check_timeout(timeout, agent.options.rpc_timeout)
             pending = not rref.is_owner() and rref._state() == PENDING
             call_args = (rref._id, name, args, kwargs, pending, limit)
             if how == "remote":  # (keep: no Delete may overtake the call)

@@ -20,6 +20,21 @@ which the agent uses for call deadlines.
 
 A plain ``zmq.Poller`` thread was chosen by measurement: about 1.8× the round
 trips per second of ``zmq.asyncio`` in a minimal Python request/reply here.
+
+Input is bounded before it costs: libzmq drops a frame larger than the
+maximum message size before allocating it (``ZMQ_MAXMSGSIZE``), reads at most
+``RCVHWM`` queued messages per peer, and :func:`~.frames.unpack` rejects a
+message from a peer without the key after one MAC over at most 64 KiB.
+Messages that fail a check, replayed or stale messages, and unreadable
+shared-memory segments are dropped unread and counted by reason
+(``dropped``); the log gets the first of each reason at once, then one
+summary line per ``DROP_LOG_INTERVAL``.
+
+Links: every DEALER is watched by a libzmq socket monitor, so the agent
+learns within milliseconds that the process at the other end is gone (the
+kernel closed its connection), with no heartbeat involved.
+:meth:`IOLoop.link_down_since` tells since when a peer's link is down; a
+process that is stopped or busy (its GIL held) keeps its link up.
 """
 
 from __future__ import annotations
@@ -30,14 +45,27 @@ import logging
 import os
 import threading
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable
 from typing import Any
 
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from . import shm
-from .frames import FLAG_SHM, BadMessage, Envelope, ShmRef, pack, unpack
+from .frames import (
+    DEFAULT_MAX_MESSAGE,
+    FLAG_SHM,
+    MAX_HEADER,
+    SIG_LEN,
+    BadMessage,
+    Envelope,
+    ReplayGuard,
+    Sequencer,
+    ShmRef,
+    pack,
+    unpack,
+)
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +75,9 @@ MAX_HELD = 10_000  # messages held per peer whose address is not known yet
 # final control notes remain (ms on a live link), and a note to a peer already gone
 # would otherwise hold every shutdown for the whole linger
 _MAX_SLEEP_MS = 500  # the loop wakes at least this often to look at new timers
+RCVHWM = 1000  # messages queued per sending peer before libzmq stops reading it
+DROP_LOG_INTERVAL = 10.0  # seconds between summary lines about dropped messages
+_LINK_EVENTS = zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED
 
 
 class IOLoop:
@@ -64,15 +95,22 @@ class IOLoop:
         on_message: Callable[[Envelope], None],
         name: str = "nbrpc-io",
         copy: Callable[[memoryview, memoryview], None] | None = None,
+        max_message_size: int = DEFAULT_MAX_MESSAGE,
+        max_age: float = 300.0,
     ) -> None:
         self._key = key
         self.local_id = local_id
         self._on_message = on_message
         self._name = name
+        self.max_message_size = int(max_message_size)
+        self._seq = Sequencer()
+        self._guard = ReplayGuard(max_age)
         self._ctx = zmq.Context()
         self._router = self._ctx.socket(zmq.ROUTER)
         self._router.setsockopt(zmq.LINGER, 0)
-        self._router.setsockopt(zmq.RCVHWM, 0)
+        self._router.setsockopt(zmq.RCVHWM, RCVHWM)
+        # a frame above this is refused by libzmq before it is allocated
+        self._router.setsockopt(zmq.MAXMSGSIZE, self.max_message_size + MAX_HEADER + SIG_LEN)
         self._dealers: dict[int, _Dealer] = {}
         self._same_host: dict[int, bool] = {}
         self._shm = shm.ShmWriter(copy or shm.plain_copy) if shm.available() else None
@@ -100,8 +138,14 @@ class IOLoop:
         # receive counters: written by the I/O thread only (send counters live
         # on each peer's _Dealer, under its lock; see sent_msgs/sent_bytes)
         self.recv_msgs = self.recv_bytes = 0
-        self.dropped_bad = 0
+        self.dropped: Counter[str] = Counter()  # reason -> messages dropped unread
+        self._drops_unlogged: Counter[str] = Counter()
+        self._drop_log_due = False
         self._sent_to_self = [0, 0]  # messages, bytes
+        # link state per peer: monotonic time since its link is down, None while up
+        self._links: dict[int, float | None] = {}
+        self._monitors: dict[zmq.Socket, tuple[int, _Dealer]] = {}
+        self._poller: zmq.Poller | None = None
 
     # -- set-up ------------------------------------------------------------
     def bind(self, host: str = "127.0.0.1", port: int = 0) -> str:
@@ -149,6 +193,39 @@ class IOLoop:
         self.call_soon(self._drop_dealer, peer)
 
     @property
+    def dropped_bad(self) -> int:
+        """Messages dropped because their signature did not verify."""
+        return self.dropped["bad signature"]
+
+    def link_down_since(self, peer: int) -> float | None:
+        """Since when (``time.monotonic()``) the connection to ``peer`` is down;
+        None while it is up, or when this loop has no connection to ``peer``."""
+        return self._links.get(peer)
+
+    def note_drop(self, reason: str, detail: str = "") -> None:
+        """Count a message dropped unread (by this loop or an upper layer) and
+        log it: the first of each reason at once, then one summary line per
+        ``DROP_LOG_INTERVAL`` with the counts. Safe from any thread."""
+        first = reason not in self.dropped
+        self.dropped[reason] += 1
+        if first:
+            log.warning("%s: dropped a message unread (%s)%s", self._name, reason,
+                        f": {detail}" if detail else "")
+            return
+        self._drops_unlogged[reason] += 1
+        if not self._drop_log_due:
+            self._drop_log_due = True
+            self.call_later(DROP_LOG_INTERVAL, self._log_drops)
+
+    def _log_drops(self) -> None:
+        self._drop_log_due = False
+        counts, self._drops_unlogged = self._drops_unlogged, Counter()
+        if counts:
+            log.warning("%s: dropped %d more message(s) unread in the last %g s: %s",
+                        self._name, sum(counts.values()), DROP_LOG_INTERVAL,
+                        ", ".join(f"{r} {n}" for r, n in counts.most_common()))
+
+    @property
     def sent_msgs(self) -> int:
         return self._sent_to_self[0] + sum(d.sent_msgs for d in list(self._dealers.values()))
 
@@ -171,7 +248,8 @@ class IOLoop:
             buffers = [memoryview(b).tobytes()
                        if type(b) is not ShmRef and memoryview(b).nbytes < zmq.COPY_THRESHOLD
                        else b for b in buffers]
-        frames = pack(self._key, kind, self.local_id, msg_id, payload, buffers)
+        frames = pack(self._key, kind, self.local_id, msg_id, payload, buffers,
+                      incarnation=self._seq.incarnation, seq=self._seq.next())
         nbytes = sum(memoryview(f).nbytes for f in frames)
         self._send_frames(peer, frames, nbytes)
         return nbytes
@@ -258,9 +336,44 @@ class IOLoop:
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.SNDHWM, 0)
         sock.setsockopt(zmq.LINGER, _LINGER_MS)
+        monitor = sock.get_monitor_socket(_LINK_EVENTS)
+        self._links[peer] = time.monotonic()  # down until connected
         sock.connect(address)
-        dealer = self._dealers[peer] = _Dealer(sock)
+        dealer = self._dealers[peer] = _Dealer(sock, monitor)
+        self.call_soon(self._watch, peer, dealer)
         return dealer
+
+    def _watch(self, peer: int, dealer: _Dealer) -> None:
+        """Poll ``dealer``'s monitor (on the I/O thread, which owns the poller)."""
+        if self._poller is None or dealer.sock.closed or self._dealers.get(peer) is not dealer:
+            _close_monitor(dealer)
+            return
+        self._monitors[dealer.monitor] = (peer, dealer)
+        self._poller.register(dealer.monitor, zmq.POLLIN)
+
+    def _on_link_events(self, monitor: zmq.Socket) -> None:
+        peer, dealer = self._monitors[monitor]
+        for _ in range(64):
+            try:
+                event = recv_monitor_message(monitor, zmq.NOBLOCK)["event"]
+            except zmq.Again:
+                return
+            except zmq.ZMQError:
+                self._unwatch(dealer)
+                return
+            if self._dealers.get(peer) is not dealer:
+                continue
+            if event == zmq.EVENT_CONNECTED:
+                self._links[peer] = None
+            elif event == zmq.EVENT_DISCONNECTED and self._links.get(peer) is None:
+                self._links[peer] = time.monotonic()
+                log.info("%s: the connection to peer %d closed", self._name, peer)
+
+    def _unwatch(self, dealer: _Dealer) -> None:
+        if dealer.monitor is not None and self._monitors.pop(dealer.monitor, None):
+            if self._poller is not None:
+                self._poller.unregister(dealer.monitor)
+        _close_monitor(dealer)
 
     def call_soon(self, fn: Callable, *args: Any) -> None:
         """Run ``fn(*args)`` on the I/O thread (safe from any thread)."""
@@ -321,7 +434,11 @@ class IOLoop:
             for dealer in self._dealers.values():
                 with dealer.lock:
                     dealer.sock.close(linger=_LINGER_MS)
+                _close_monitor(dealer)
             self._dealers.clear()
+        for _, dealer in list(self._monitors.values()):
+            _close_monitor(dealer)
+        self._monitors.clear()
         self._router.close(linger=0)
         self._ctx.term()
         for fd in (self._wake_r, self._wake_w):
@@ -333,10 +450,10 @@ class IOLoop:
     # -- the loop ----------------------------------------------------------
     def _run(self) -> None:
         self.thread_ident = threading.get_ident()
-        poller = zmq.Poller()
+        poller = self._poller = zmq.Poller()
         poller.register(self._router, zmq.POLLIN)
         poller.register(self._wake_r, zmq.POLLIN)
-        router, queue = self._router, self._queue
+        router, queue, monitors = self._router, self._queue, self._monitors
         try:
             while not self._stopping:
                 # Announce the sleep before reading the timers: a timer added
@@ -359,6 +476,10 @@ class IOLoop:
                 self._serve_queue()
                 if router in ready:
                     self._recv_batch()
+                if monitors and len(ready) > (router in ready) + (self._wake_r in ready):
+                    for sock in ready:
+                        if sock in monitors:
+                            self._on_link_events(sock)
                 if self._timers:
                     self._run_timers()
             self._serve_queue()  # what was queued before the stop request
@@ -379,9 +500,12 @@ class IOLoop:
     def _drop_dealer(self, peer: int) -> None:
         with self._dealers_lock:
             entry = self._dealers.pop(peer, None)
+            if entry is not None:
+                self._links.pop(peer, None)
         if entry is not None:
             with entry.lock:
                 entry.sock.close(linger=0)
+            self._unwatch(entry)
 
     def _recv_batch(self) -> None:
         # getsockopt, not the .rcvmore/.events properties (pyzmq resolves those
@@ -400,18 +524,22 @@ class IOLoop:
 
     def _deliver(self, frames: list) -> None:
         try:
-            env = unpack(self._key, frames)
+            env = unpack(self._key, frames, self.max_message_size)
         except BadMessage as e:
-            self.dropped_bad += 1
-            log.warning("dropped a message that failed authentication (%s)", e)
+            self.note_drop(e.reason, str(e))
+            return
+        why = self._guard.check(env.incarnation, env.seq, env.sent_at, time.time())
+        if why is not None:
+            self.note_drop(why, f"message {env.seq} of rank {env.sender}, sent "
+                                f"{time.time() - env.sent_at:.0f} s ago"
+                                + (" (are the hosts' clocks set?)" if why == "stale" else ""))
             return
         if env.flags & FLAG_SHM:
             try:
                 env.buffers = [shm.read(b.name, b.nbytes, self._release) if type(b) is ShmRef
                                else b for b in env.buffers]
             except (OSError, ValueError) as e:
-                log.error("dropped a message from %d: shared-memory buffer unreadable (%s)",
-                          env.sender, e)
+                self.note_drop("unreadable segment", f"from rank {env.sender}: {e}")
                 return
         self.recv_msgs += 1
         self.recv_bytes += env.payload.nbytes + sum(memoryview(b).nbytes for b in env.buffers)
@@ -466,13 +594,19 @@ class IOLoop:
 class _Dealer:
     """A peer's outgoing socket, its lock and the frames waiting for the lock."""
 
-    __slots__ = ("sock", "lock", "queue", "sent_msgs", "sent_bytes")
+    __slots__ = ("sock", "monitor", "lock", "queue", "sent_msgs", "sent_bytes")
 
-    def __init__(self, sock: zmq.Socket) -> None:
+    def __init__(self, sock: zmq.Socket, monitor: zmq.Socket | None = None) -> None:
         self.sock = sock
+        self.monitor = monitor
         self.lock = threading.Lock()
         self.queue: deque = deque()  # (frames, nbytes)
         self.sent_msgs = self.sent_bytes = 0  # under lock
+
+
+def _close_monitor(dealer: _Dealer) -> None:
+    if dealer.monitor is not None and not dealer.monitor.closed:
+        dealer.monitor.close(linger=0)
 
 
 def _copy_frames(frames: list) -> list:
