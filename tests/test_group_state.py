@@ -112,3 +112,32 @@ def test_silent_members_expire_once_the_group_is_watched() -> None:
     c.heard_from(9, 11.5)  # not a member: ignored
     assert c.expired(12.5, 2.0) == [2]
     assert c.expired(14.0, 2.0) == [1, 2]
+
+
+def test_a_closed_link_expires_a_member_sooner_than_silence() -> None:
+    c = _static(3)
+    c.watch_all(10.0)
+    down = {1: 10.2, 2: None}  # rank 1's connection closed at 10.2; rank 2's is up
+    assert c.expired(10.9, 30.0, 1.0, down) == []  # not yet a second
+    assert c.expired(11.5, 30.0, 1.0, down) == [1]
+    c.heard_from(1, 11.4)  # but it spoke meanwhile (its link came back): alive
+    assert c.expired(11.5, 30.0, 1.0, down) == []
+    assert c.expired(40.5, 30.0, 1.0, down) == [1, 2]  # and the long timeout still holds
+
+
+def test_a_member_declared_dead_is_readmitted_but_one_that_left_is_not() -> None:
+    c = _static(3)
+    c.watch_all(0.0)
+    c.on_leave(1, dead=True)
+    c.on_leave(2, dead=False)
+    assert c.readmits(1) and not c.readmits(2) and not c.readmits(0)
+    out = c.on_join(Join(m("w1", 1), 3))  # taken back: the static group is whole again
+    assert sorted(r for r, _ in out) == [0, 1] and all(not msg.error for _, msg in out)
+    assert not c.readmits(1)
+
+
+def test_a_member_rejoining_is_answered_not_refused_as_a_duplicate() -> None:
+    c = _static(3)
+    out = c.on_join(Join(m("w1", 1), 3))  # it thought it was dropped; it was not
+    assert out == [(1, Members(c.table()))]
+    assert c.on_join(Join(Member("w1", 1, "tcp://127.0.0.1:9"), 3))[0][1].error  # not it

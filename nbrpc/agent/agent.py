@@ -723,18 +723,18 @@ class Agent:
             return
         if type(result) is Deferred:
             result.future.add_done_callback(
-                lambda f: self._reply_future(env, f, op, started, tag))
+                lambda f: self._reply_future(env, f, op, started, tag, _what(msg)))
         else:
-            self._reply(env, Ok(result), op, started, tag)
+            self._reply(env, Ok(result), op, started, tag, _what(msg))
 
     def _reply_future(self, env: Envelope, f: torch.futures.Future, op: str, started: float,
-                      tag: Any = None) -> None:
+                      tag: Any = None, what: str = "") -> None:
         value, error = outcome(f)
         reply: Any = Ok(value) if error is None else pack_error(error, self.name)
-        self._reply(env, reply, op, started, tag)
+        self._reply(env, reply, op, started, tag, what)
 
     def _reply(self, env: Envelope, reply: Any, op: str, started: float,
-               tag: Any = None) -> None:
+               tag: Any = None, what: str = "") -> None:
         peer = env.sender
         wire = Wire(self, peer, tag)  # tensors in the reply are recorded under the tag
         try:
@@ -742,6 +742,15 @@ class Agent:
         except SerializationError as e:
             wire.unsent()
             wire = Wire(self, peer)
+            if type(reply) is Ok:  # name the value, not the wrapper it travels in
+                cause = e.__cause__ or e
+                kind = type(reply.value)
+                e = SerializationError(
+                    f"the result of {what or op}() on {self.name!r}, a {kind.__module__}."
+                    f"{kind.__qualname__}, could not be pickled to send back: "
+                    f"{type(cause).__name__}: {cause}. Return only picklable values (open "
+                    "files, locks and sockets are not), or keep the value on the worker "
+                    "with remote() and send back what you need from it.")
             payload, buffers = dumps(pack_error(e, self.name), wire)
         with self._lock:
             self._served[peer] += 1
@@ -853,7 +862,7 @@ class Agent:
         # nobody's silence meanwhile says anything about them.
         stalled = now - self._last_tick > opts.heartbeat_interval + max(1.0, opts.heartbeat_interval)
         self._last_tick = now
-        if not self._joined.is_set() or self._join_error:
+        if not self._joined.is_set() or self._join_error or self._shutdown_cut:
             return
         beat = Heartbeat(self._member, self.world_size)
         if self._coordinator is not None:

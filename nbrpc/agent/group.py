@@ -78,10 +78,15 @@ class Coordinator:
         self.left: set[int] = set()  # ranks that left on purpose (not taken back by heartbeat)
         self._reports: dict[int, dict[int, DrainReport]] = {}
         self._last_sums: tuple[int, int] | None = None
+        self.formed = world_size is None  # a static group once all had joined
 
     @property
     def complete(self) -> bool:
-        return self.world_size is None or len(self.members) == self.world_size
+        """Whether joiners are answered: the static group has formed (it may have
+        lost members since), or the group is dynamic."""
+        if not self.formed and len(self.members) == self.world_size:
+            self.formed = True
+        return self.formed
 
     def table(self) -> tuple[Member, ...]:
         return tuple(sorted(self.members.values(), key=lambda m: m.rank))

@@ -124,6 +124,10 @@ class Cluster:
     ``{"engines": {"host1": 2}}`` for ssh). ``host`` is the interface the
     driver's agent listens on (loopback for local launchers, else the address
     that routes to the engines); ``controller_ip`` the controller's.
+    ``failure_timeout``: seconds a worker may stay silent with its connection
+    up (busy in C code holding the GIL, stopped, its host unreachable) before
+    it is declared dead; a worker whose process exits is noticed within
+    about a second regardless.
 
     >>> import torch
     >>> from nbrpc import rpc
@@ -149,6 +153,7 @@ class Cluster:
         host: str | None = None,
         controller_ip: str | None = None,
         heartbeat: float = 0.5,
+        failure_timeout: float = 30.0,
         profile_dir: str | None = None,
         progress: bool | None = None,
     ) -> None:
@@ -166,6 +171,10 @@ class Cluster:
         self.timeout = float(timeout)
         self.rpc_timeout = float(rpc_timeout)
         self.heartbeat = float(heartbeat)
+        self.failure_timeout = float(failure_timeout)
+        if not self.failure_timeout >= 2 * self.heartbeat:
+            raise ValueError(f"failure_timeout must be >= twice heartbeat ({2 * self.heartbeat:g}"
+                             f" s), got {failure_timeout!r}")
         self.controller_ip = controller_ip
         self.host = host or ("127.0.0.1" if self._local else _routable_ip())
         self.progress = progress
@@ -235,7 +244,8 @@ class Cluster:
 
         key = new_key()
         opts = AgentOptions(num_worker_threads=self.threads, rpc_timeout=self.rpc_timeout,
-                            host=self.host, port=0, heartbeat_interval=self.heartbeat)
+                            host=self.host, port=0, heartbeat_interval=self.heartbeat,
+                            failure_timeout=self.failure_timeout)
         self.agent = Agent("driver", 0, key, world_size=None, options=opts)
         self.agent.start(None, self.timeout)
         set_default_agent(self.agent)
@@ -333,7 +343,8 @@ class Cluster:
         deadline = time.monotonic() + self.timeout
         ranks = {w.name: w.rank for w in self.workers.values()}
         options = {"num_worker_threads": self.threads, "rpc_timeout": self.rpc_timeout,
-                   "heartbeat_interval": self.heartbeat}
+                   "heartbeat_interval": self.heartbeat,
+                   "failure_timeout": self.failure_timeout}
         while pending:
             self._assign_engines(client, pending)
             for name in sorted(pending):

@@ -86,6 +86,9 @@ def _cluster_parser() -> _Parser:
                    help="seconds to wait for the workers (default 60)")
     s.add_argument("--rpc-timeout", type=_positive_float, default=60.0,
                    help="default timeout of RPC calls, in seconds (default 60)")
+    s.add_argument("--failure-timeout", type=_positive_float, default=30.0,
+                   help="seconds a busy or stopped worker may stay silent before it is "
+                        "declared dead (default 30; an exited worker is noticed at once)")
     s.add_argument("--host", default=None,
                    help="interface the driver listens on (default: loopback for local "
                         "launchers, else this host's routable address)")
@@ -165,6 +168,7 @@ class ClusterMagics(Magics):
         cluster = Cluster(launcher=args.launcher, launcher_options=_launcher_options(extra),
                           threads=args.threads, timeout=args.timeout,
                           rpc_timeout=args.rpc_timeout, host=args.host,
+                          failure_timeout=args.failure_timeout,
                           controller_ip=args.controller_ip)
         cluster.start(args.n)
         old, self.cluster = self.cluster, cluster

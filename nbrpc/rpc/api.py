@@ -15,7 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..agent import Agent, AgentOptions, RpcFuture, WorkerInfo, current_agent, set_default_agent
-from ..agent.agent import _Default
+from ..agent.agent import _Default, call_args
 from ..errors import AlreadyInitializedError, RendezvousError
 from ..rref import RRef
 from ..rref import remote as _remote
@@ -52,7 +52,9 @@ def init_rpc(
         rank = int(os.environ.get("RANK", -1))
     if rank < 0:
         raise ValueError("init_rpc needs rank >= 0 (pass rank=..., or set RANK)")
-    threads, timeout, init_method = read_options(rpc_backend_options)
+    options = read_options(rpc_backend_options)
+    threads, timeout = options.pop("num_worker_threads"), options["rpc_timeout"]
+    init_method = options.pop("init_method")
     join_timeout = timeout if timeout > 0 else 60.0
     with _init_lock:
         if _Default.agent is not None:
@@ -60,8 +62,8 @@ def init_rpc(
         rdv = rendezvous.parse(init_method, rank)
 
         def make(key: bytes) -> Agent:
-            opts = AgentOptions(num_worker_threads=threads, rpc_timeout=timeout,
-                                host=rdv.bind_host, port=rdv.bind_port)
+            opts = AgentOptions(num_worker_threads=threads, host=rdv.bind_host,
+                                port=rdv.bind_port, **options)
             return Agent(name, rank, key, world_size=world_size, options=opts)
 
         if rdv.file is None:
@@ -206,7 +208,8 @@ def remote(to: Any, func: Callable, args: tuple | None = None,
     if not callable(func):
         raise TypeError(f"func must be callable, got {type(func).__name__}")
     agent = current_agent("remote")
-    return _remote(agent, to, func, tuple(args or ()), dict(kwargs or {}), timeout)
+    args, kwargs = call_args(args, kwargs)
+    return _remote(agent, to, func, args, kwargs, timeout)
 
 
 def get_worker_info(worker_name: str | None = None) -> WorkerInfo:

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import enum
+import os
 from typing import Any
 
 DEFAULT_RPC_TIMEOUT_SEC = 60.0
 DEFAULT_INIT_METHOD = "env://"
 DEFAULT_NUM_WORKER_THREADS = 16
 UNSET_RPC_TIMEOUT = -1.0
+DEFAULT_FAILURE_TIMEOUT = 30.0
+FAILURE_TIMEOUT_ENV = "NBRPC_FAILURE_TIMEOUT"
 
 
 class BackendType(enum.Enum):
@@ -32,8 +35,17 @@ class TensorPipeRpcBackendOptions(RpcBackendOptions):
     ``_transports`` and ``_channels`` are accepted and ignored (nbrpc has one
     transport); device maps are refused because nbrpc moves CPU tensors only.
 
+    Beyond PyTorch's: ``failure_timeout``, how long a worker may stay silent
+    while its connection is up (busy in C code holding the GIL, stopped, or
+    its host unreachable) before the group declares it dead; a worker whose
+    process exits is noticed within about a second whatever this is. With
+    PyTorch's own options class, set ``NBRPC_FAILURE_TIMEOUT`` instead.
+    ``max_message_size``: the most bytes a received message may declare.
+
     >>> TensorPipeRpcBackendOptions(num_worker_threads=8, rpc_timeout=20).rpc_timeout
     20.0
+    >>> TensorPipeRpcBackendOptions(failure_timeout=120).failure_timeout
+    120.0
     """
 
     def __init__(
@@ -46,11 +58,20 @@ class TensorPipeRpcBackendOptions(RpcBackendOptions):
         devices: list | None = None,
         _transports: list | None = None,
         _channels: list | None = None,
+        failure_timeout: float | None = None,
+        max_message_size: int | None = None,
     ) -> None:
         super().__init__(rpc_timeout, init_method)
         if int(num_worker_threads) < 1:
             raise ValueError(f"num_worker_threads must be >= 1, got {num_worker_threads}")
         self.num_worker_threads = int(num_worker_threads)
+        self.failure_timeout = None if failure_timeout is None else _seconds(
+            failure_timeout, "failure_timeout")
+        if max_message_size is not None and (not isinstance(max_message_size, int)
+                                             or max_message_size < 1 << 20):
+            raise ValueError(f"max_message_size must be an int of at least 1 MiB (1 << 20), "
+                             f"got {max_message_size!r}")
+        self.max_message_size = max_message_size
         if device_maps:
             _refuse_devices()
         self.device_maps: dict = {}
@@ -69,14 +90,35 @@ def _refuse_devices() -> None:
         "with .cpu() before sending and .to(device) after receiving.")
 
 
-def read_options(opts: Any) -> tuple[int, float, str]:
-    """(num_worker_threads, rpc_timeout, init_method) from ours or torch's options."""
-    if opts is None:
-        return DEFAULT_NUM_WORKER_THREADS, DEFAULT_RPC_TIMEOUT_SEC, DEFAULT_INIT_METHOD
-    if getattr(opts, "device_maps", None):
+def _seconds(value: Any, name: str) -> float:
+    try:
+        seconds = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{name} must be a number of seconds, got {value!r}") from None
+    if not seconds > 0:
+        raise ValueError(f"{name} must be > 0 seconds, got {value!r}")
+    return seconds
+
+
+def read_options(opts: Any) -> dict[str, Any]:
+    """What an agent takes from ours or torch's options (and the environment).
+
+    >>> read_options(None)["failure_timeout"] == DEFAULT_FAILURE_TIMEOUT or "env set"
+    True
+    """
+    if opts is not None and getattr(opts, "device_maps", None):
         _refuse_devices()
-    return (
-        int(getattr(opts, "num_worker_threads", DEFAULT_NUM_WORKER_THREADS)),
-        float(getattr(opts, "rpc_timeout", DEFAULT_RPC_TIMEOUT_SEC)),
-        getattr(opts, "init_method", None) or DEFAULT_INIT_METHOD,
-    )
+    failure = getattr(opts, "failure_timeout", None)
+    if failure is None:
+        env = os.environ.get(FAILURE_TIMEOUT_ENV)
+        failure = _seconds(env, FAILURE_TIMEOUT_ENV) if env else DEFAULT_FAILURE_TIMEOUT
+    read = {
+        "num_worker_threads": int(getattr(opts, "num_worker_threads", DEFAULT_NUM_WORKER_THREADS)),
+        "rpc_timeout": float(getattr(opts, "rpc_timeout", DEFAULT_RPC_TIMEOUT_SEC)),
+        "init_method": getattr(opts, "init_method", None) or DEFAULT_INIT_METHOD,
+        "failure_timeout": float(failure),
+    }
+    size = getattr(opts, "max_message_size", None)
+    if size is not None:
+        read["max_message_size"] = size
+    return read

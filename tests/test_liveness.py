@@ -1,0 +1,195 @@
+"""Busy is not dead: failure detection, readmission, and the errors a bad call gets.
+
+In-process tier: agents in this process, a member made "busy" by blocking its
+I/O thread (``io.call_soon(time.sleep, s)``: the process and its connections
+stay up, as when user code holds the GIL) and "dead" by stopping its
+transport (its connections close, as when the process is killed).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+
+import pytest
+import zmq
+from conftest import local_group, poll_for
+
+from nbrpc.agent import Agent, AgentOptions
+from nbrpc.errors import RendezvousError, SerializationError, WorkerGoneError
+from nbrpc.transport import new_key, pack
+
+
+def add(a, b=0):
+    return a + b
+
+
+def sleep_then(seconds, value):
+    time.sleep(seconds)
+    return value
+
+
+def unpicklable():
+    return threading.Lock()
+
+
+def _tables_full(agents: list[Agent]) -> bool:
+    ranks = {a.rank for a in agents}
+    return all(set(a._members) == ranks and a.state == "ready" for a in agents)
+
+
+def test_a_stopped_process_is_noticed_by_its_connection_not_the_long_timeout() -> None:
+    with local_group(["a", "b", "c"]) as (a, b, c):  # default failure_timeout: 30 s
+        assert a.options.failure_timeout == 30.0
+        fut = a.rpc_async("b", sleep_then, (5, "never"))
+        t0 = time.monotonic()
+        b.shutdown(graceful=False)  # its sockets close, as a killed process's would
+        with pytest.raises(WorkerGoneError, match=r"'b' died \(its connection closed\)"):
+            fut.wait()
+        assert time.monotonic() - t0 < 2.5
+        assert poll_for(lambda: "b" not in c._by_name, timeout=3)
+        assert a.rpc_async("c", add, (1, 2)).wait() == 3
+
+
+def test_a_busy_member_is_not_evicted_and_its_calls_complete() -> None:
+    with local_group(["a", "b", "c"], heartbeat_interval=0.2) as (a, b, c):
+        fut = a.rpc_async("b", add, (20, 22))
+        b.io.call_soon(time.sleep, 3.0)  # silent for 3 s, connections up
+        c.io.call_soon(time.sleep, 3.0)
+        time.sleep(0.05)
+        late = a.rpc_async("b", add, (1, 1))
+        assert fut.wait() == 42 and late.wait() == 2
+        time.sleep(0.5)
+        assert _tables_full([a, b, c])
+        assert not any(e["event"] == "member-dead" for x in (a, b, c)
+                       for e in x.snapshot()["events"])
+
+
+def test_a_busy_coordinator_loses_nobody() -> None:
+    with local_group(["a", "b", "c"], heartbeat_interval=0.2) as (a, b, c):
+        a.io.call_soon(time.sleep, 3.0)  # the coordinator hears nothing for 3 s
+        time.sleep(3.5)
+        assert _tables_full([a, b, c]) and a.readmitted == b.readmitted == 0
+        assert b.rpc_async("a", add, (1, 1)).wait() == 2
+
+
+def test_a_member_wrongly_declared_dead_is_taken_back() -> None:
+    with local_group(["a", "b", "c"], heartbeat_interval=0.2, failure_timeout=1.0) as (a, b, c):
+        b.io.call_soon(time.sleep, 2.5)  # longer than failure_timeout
+        assert poll_for(lambda: "b" not in a._by_name, timeout=3)  # suspected: evicted
+        assert poll_for(lambda: _tables_full([a, b, c]), timeout=5)  # and back
+        assert a.readmitted + b.readmitted >= 1
+        assert a.rpc_async("b", add, (2, 3)).wait() == 5
+        assert c.rpc_async("b", add, (2, 4)).wait() == 6
+        assert b.rpc_async("c", add, (2, 5)).wait() == 7
+
+
+def test_members_rejoin_a_coordinator_they_gave_up_on() -> None:
+    with local_group(["a", "b", "c"], heartbeat_interval=0.2, failure_timeout=1.0) as (a, b, c):
+        a.io.call_soon(time.sleep, 2.5)
+        assert poll_for(lambda: 0 not in b._members and 0 not in c._members, timeout=3)
+        assert poll_for(lambda: _tables_full([a, b, c]), timeout=5)
+        assert b.readmitted >= 1 and c.readmitted >= 1
+        assert b.rpc_async("a", add, (1, 1)).wait() == 2
+
+
+def test_failure_timeout_is_validated() -> None:
+    with pytest.raises(ValueError, match="failure_timeout"):
+        Agent("x", 0, new_key(), world_size=1,
+              options=AgentOptions(heartbeat_interval=0.5, failure_timeout=0.6))
+    with pytest.raises(ValueError, match="failure_timeout"):
+        Agent("x", 0, new_key(), world_size=1, options=AgentOptions(failure_timeout=math.nan))
+
+
+def test_rank0_reports_a_refused_joiner_at_once() -> None:
+    key = new_key()
+    lead = Agent("lead", 0, key, world_size=2, options=AgentOptions(num_worker_threads=2))
+    wrong = Agent("w", 1, key, world_size=3, options=AgentOptions(num_worker_threads=2))
+    errors: list[BaseException] = []
+
+    def start_lead() -> None:
+        try:
+            lead.start(None, timeout=20)
+        except BaseException as e:
+            errors.append(e)
+
+    t = threading.Thread(target=start_lead)
+    t0 = time.monotonic()
+    t.start()
+    with pytest.raises(RendezvousError, match="world_size=3"):
+        wrong.start(lead.address, timeout=20)
+    t.join(20)
+    assert time.monotonic() - t0 < 5, "rank 0 waited out its join timeout"
+    assert errors and isinstance(errors[0], RendezvousError)
+    assert "refused" in str(errors[0]) and "world_size=3" in str(errors[0])
+
+
+def test_eviction_during_shutdown_ends_the_shutdown() -> None:
+    with local_group(["a", "b", "c"], heartbeat_interval=0.2, failure_timeout=1.0) as (a, b, c):
+        done = threading.Event()
+
+        def leave() -> None:
+            c.shutdown(timeout=30)  # waits for a and b, who are not shutting down
+            done.set()
+
+        t = threading.Thread(target=leave)
+        t.start()
+        time.sleep(0.3)
+        t0 = time.monotonic()
+        c.io.call_soon(time.sleep, 1.6)  # c is declared dead meanwhile
+        assert done.wait(8), "shutdown waited its whole timeout"
+        assert time.monotonic() - t0 < 8
+        t.join(5)
+        assert c.state == "stopped"
+
+
+def test_bad_call_arguments_say_what_is_expected(trio) -> None:
+    a, _, _ = trio
+    for timeout, err, text in [(math.nan, ValueError, "got nan"),
+                               (-3, ValueError, "got -3"),
+                               ("1", TypeError, "got str '1'")]:
+        with pytest.raises(err, match=r"timeout must be .*" + text):
+            a.rpc_async("b", add, (1, 2), timeout=timeout)
+    with pytest.raises(TypeError, match=r"args must be a tuple .* e\.g\. args=\(5,\); got int 5"):
+        a.rpc_async("b", add, 5)
+    with pytest.raises(TypeError, match="kwargs must be a dict"):
+        a.rpc_async("b", add, (1,), 3)
+    assert a.rpc_async("b", add, [1, 2], timeout=-1).wait() == 3  # a list works, as in torch
+    assert a.rpc_async("b", add, (1, 2), timeout=math.inf).wait() == 3
+
+
+def test_an_unpicklable_result_names_the_worker_and_the_type(trio) -> None:
+    a, _, _ = trio
+    with pytest.raises(SerializationError) as info:
+        a.rpc_async("b", unpicklable).wait()
+    text = str(info.value)
+    assert "unpicklable() on 'b'" in text and "_thread.lock" in text
+    assert "Ok(" not in text and "value=" not in text
+
+
+def test_drops_are_counted_by_reason_and_logged_once_per_interval(trio, caplog) -> None:
+    a, b, _ = trio
+    ctx = zmq.Context.instance()
+    s = ctx.socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    s.connect(b.address)
+    caplog.set_level(logging.WARNING, logger="nbrpc.transport.io")
+    try:
+        for i in range(50):
+            s.send_multipart(pack(new_key(), 1, 0, i, b"x"))
+        recorded = pack(b._key, 3, 0, 0, b"\x80\x05N.", incarnation=99, seq=5)
+        s.send_multipart(recorded)
+        s.send_multipart(recorded)  # played back
+        stale = pack(b._key, 3, 0, 0, b"\x80\x05N.", incarnation=99, seq=6,
+                     sent_at=time.time() - 3600)
+        s.send_multipart(stale)
+        assert poll_for(lambda: sum(b.io.dropped.values()) == 52)
+    finally:
+        s.close()
+    assert b.snapshot()["counters"]["dropped"] == {"bad signature": 50, "replayed": 1,
+                                                   "stale": 1}
+    lines = [r for r in caplog.records if "dropped" in r.getMessage()]
+    assert len(lines) == 3, [r.getMessage() for r in lines]  # the first of each reason
+    assert a.rpc_async("b", add, (1, 1)).wait() == 2
