@@ -188,7 +188,7 @@ def test_remote_exception_type_missing_here_becomes_remote_error(trio) -> None:
 
 def test_unpicklable_result_and_argument(trio) -> None:
     a, _, _ = trio
-    with pytest.raises(SerializationError, match="could not pickle"):
+    with pytest.raises(SerializationError, match="could not be pickled to send back"):
         a.rpc_async("b", threading.Lock).wait()
     with pytest.raises(SerializationError, match="could not pickle"):
         a.rpc_async("b", add, (threading.Lock(),))

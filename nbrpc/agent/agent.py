@@ -502,7 +502,7 @@ class Agent:
 
         def run() -> None:
             if rank in self._members and rank != self.rank:
-                self._dispatch(self._coordinator.on_leave(rank, dead=dead))
+                self._dispatch(self._coordinator.on_leave(rank, dead=dead, why=why))
                 self._remove_member(rank, dead=dead, why=why)
 
         self.io.call_soon(run)
@@ -806,7 +806,7 @@ class Agent:
             if msg.rank == self.rank:
                 self._evicted()
             else:
-                self._remove_member(msg.rank, msg.dead)
+                self._remove_member(msg.rank, msg.dead, msg.why)
         elif t is DrainVerdict:
             verdict = self._verdicts.get(msg.round)
             if verdict is not None and not verdict.done():
@@ -872,7 +872,7 @@ class Agent:
             for rank in self._coordinator.expired(now, opts.failure_timeout,
                                                   opts.link_timeout, down):
                 why = self._death(now, down.get(rank))
-                self._dispatch(self._coordinator.on_leave(rank, dead=True))
+                self._dispatch(self._coordinator.on_leave(rank, dead=True, why=why))
                 self._remove_member(rank, dead=True, why=why)
             self._dispatch([(rank, beat) for rank in self._members if rank != 0])
             return

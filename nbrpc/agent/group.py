@@ -130,15 +130,15 @@ class Coordinator:
                 return f"rank {m.rank} ({m.name!r}) joined twice."
         return None
 
-    def on_leave(self, rank: int, dead: bool = False) -> Outbox:
+    def on_leave(self, rank: int, dead: bool = False, why: str | None = None) -> Outbox:
         if self.members.pop(rank, None) is None:
             return []
         self.last_seen.pop(rank, None)
         if not dead:
             self.left.add(rank)
-        out: Outbox = [(r, MemberLeft(rank, dead)) for r in self.members if r != 0]
-        if dead:  # in case it is alive after all: it learns it was dropped
-            out.append((rank, MemberLeft(rank, dead)))
+        out: Outbox = [(r, MemberLeft(rank, dead, why)) for r in self.members if r != 0]
+        if dead:  # in case it is alive after all: it learns it was dropped (and rejoins)
+            out.append((rank, MemberLeft(rank, dead, why)))
         for rnd in sorted(self._reports):  # rounds that waited for it can finish
             out += self._verdict(rnd)
         return out

@@ -109,7 +109,8 @@ class MemberJoined:
 @dataclass(frozen=True, slots=True)
 class MemberLeft:
     rank: int
-    dead: bool = False  # declared dead by the coordinator (no heartbeat), not a leave
+    dead: bool = False  # declared dead by the coordinator, not a leave
+    why: str | None = None  # how it was found dead ("died (its connection closed)")
 
 
 @fast_pickle
