@@ -14,6 +14,7 @@ import threading
 import time
 
 import pytest
+import torch
 import zmq
 from conftest import local_group, poll_for
 
@@ -193,3 +194,22 @@ def test_drops_are_counted_by_reason_and_logged_once_per_interval(trio, caplog) 
     lines = [r for r in caplog.records if "dropped" in r.getMessage()]
     assert len(lines) == 3, [r.getMessage() for r in lines]  # the first of each reason
     assert a.rpc_async("b", add, (1, 1)).wait() == 2
+
+
+def test_encrypted_group_works_and_a_peer_without_the_key_never_gets_through() -> None:
+    with local_group(["a", "b"], encrypt=True) as (a, b):
+        big = torch.arange(1 << 20, dtype=torch.float32)  # through the socket or shm
+        assert torch.equal(a.rpc_async("b", torch.clone, (big,)).wait(), big)
+        assert a.rpc_async("b", add, (1, 2)).wait() == 3
+        ctx = zmq.Context.instance()
+        s = ctx.socket(zmq.DEALER)  # no CURVE keys: the handshake fails
+        s.setsockopt(zmq.LINGER, 0)
+        s.connect(b.address)
+        try:
+            for i in range(20):
+                s.send_multipart(pack(new_key(), 1, 0, i, b"x"))
+            time.sleep(0.5)
+        finally:
+            s.close()
+        assert sum(b.io.dropped.values()) == 0  # it never reached the I/O thread
+        assert b.rpc_async("a", add, (2, 2)).wait() == 4

@@ -234,7 +234,8 @@ out = {}
 t0 = time.monotonic()
 cluster = Cluster(launcher=launcher, launcher_options=cfg["launcher_options"],
                   host=cfg["addr"], controller_ip=cfg["addr"],
-                  threads=4, timeout=60, rpc_timeout=30, progress=False)
+                  threads=4, timeout=60, rpc_timeout=30, progress=False,
+                  encrypt=cfg["encrypt"])
 try:
     cluster.start(2)
     out["start_s"] = round(time.monotonic() - t0, 1)
@@ -291,9 +292,10 @@ def local_engine_cmd(net: Net) -> list[str]:
     return ["sh", "-c", script, sys.executable]
 
 
-def run_driver(net: Net, launcher: str, options: dict, tmp: Path) -> dict:
+def run_driver(net: Net, launcher: str, options: dict, tmp: Path,
+               encrypt: bool = False) -> dict:
     cfg = {"addr": net.addr("h1"), "launcher": launcher, "launcher_options": options,
-           "mark": MARK}
+           "mark": MARK, "encrypt": encrypt}
     env = {k: v for k, v in os.environ.items() if k != "NBRPC_HOST"}
     env.update(PYTHONUNBUFFERED="1", TMPDIR=str(tmp))  # the cluster's profile dir goes there
     cmd = ["ip", "netns", "exec", net.ns("h1"), sys.executable, "-c", DRIVER, json.dumps(cfg)]
@@ -376,13 +378,67 @@ def test_local_launcher_engines_in_other_hosts(net: Net, tmp_path: Path) -> None
 
 
 def test_ssh_launcher_engines_in_other_hosts(net: Net, tmp_path: Path) -> None:
-    """ipyparallel's SSH engine-set launcher, over a fake ssh into the namespaces."""
+    """ipyparallel's SSH engine-set launcher, over a fake ssh into the namespaces,
+    with the agents' connections CURVE-encrypted (``Cluster(encrypt=True)``)."""
     for name, text in (("ssh", FAKE_SSH), ("scp", FAKE_SCP)):
         (tmp_path / name).write_text(text)
         (tmp_path / name).chmod(0o755)
     options = {"engines": {net.ns(h): 1 for h in PLACEMENT.values()},
                "ssh_cmd": [str(tmp_path / "ssh")], "scp_cmd": [str(tmp_path / "scp")],
                "remote_python": sys.executable}
-    out = run_driver(net, "ssh", options, tmp_path)
+    out = run_driver(net, "ssh", options, tmp_path, encrypt=True)  # CURVE between hosts
     check(net, out)  # each agent bound the interface that routes to the driver
     assert [w["nbrpc_host"] for w in out["workers"].values()] == [None, None]
+
+
+# Script mode across hosts: rank 0 in h1, rank 1 in h2, MASTER_ADDR = h1's address.
+RANK = r'''
+import sys, torch
+from nbrpc import rpc
+rank = int(sys.argv[1])
+opts = rpc.TensorPipeRpcBackendOptions(rpc_timeout=15)
+try:
+    rpc.init_rpc(f"w{rank}", rank=rank, world_size=2, rpc_backend_options=opts)
+except Exception as e:
+    print("NBRPC-ERROR", type(e).__name__, e, flush=True)
+    sys.exit(3)
+if rank == 0:
+    t = torch.arange(2 << 20, dtype=torch.float32)
+    print("NBRPC-OK", bool(torch.equal(rpc.rpc_sync("w1", torch.mul, args=(t, 2)), t * 2)),
+          flush=True)
+rpc.shutdown()
+'''
+
+
+def _ranks(net: Net, env: dict, tmp: Path) -> list[subprocess.CompletedProcess | None]:
+    base = {k: v for k, v in os.environ.items()
+            if k not in ("NBRPC_HOST", "NBRPC_SECRET_KEY", "NBRPC_KEY_FILE", "NBRPC_ENCRYPT")}
+    base.update(MASTER_ADDR=net.addr("h1"), MASTER_PORT="29731", PYTHONUNBUFFERED="1",
+                HOME=str(tmp), PYTHONPATH=str(REPO), **env)
+    procs = [subprocess.Popen(["ip", "netns", "exec", net.ns(h), sys.executable, "-c", RANK,
+                               str(r)], env=base, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True)
+             for r, h in enumerate(("h1", "h2"))]
+    out = []
+    for p in procs:
+        try:
+            text, _ = p.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            text, _ = p.communicate(timeout=10)
+        out.append(subprocess.CompletedProcess(p.args, p.returncode, text))
+    return out
+
+
+def test_script_mode_across_hosts_needs_a_shared_key_and_can_encrypt(net: Net,
+                                                                     tmp_path: Path) -> None:
+    """Without NBRPC_SECRET_KEY, the rank on another host than rank 0 refuses at
+    once and says how to fix it (a per-user key file cannot be shared across
+    hosts); with it, and with CURVE encryption, the group works."""
+    r0, r1 = _ranks(net, {}, tmp_path)
+    assert r1.returncode == 3 and "NBRPC_SECRET_KEY" in r1.stdout, r1.stdout
+    assert r0.returncode != 0  # rank 0 waited for a rank 1 that never came (bounded)
+    secret = secrets.token_hex(32)
+    r0, r1 = _ranks(net, {"NBRPC_SECRET_KEY": secret, "NBRPC_ENCRYPT": "1"}, tmp_path)
+    assert r0.returncode == 0 and "NBRPC-OK True" in r0.stdout, r0.stdout
+    assert r1.returncode == 0, r1.stdout

@@ -220,6 +220,7 @@ class AgentOptions:
     link_timeout: float = 1.0
     max_message_size: int = DEFAULT_MAX_MESSAGE  # bytes a received message may declare
     max_message_age: float = 300.0  # older (by the sender's clock) is refused as a replay
+    encrypt: bool = False  # CURVE-encrypt every connection (untrusted networks)
     control_retry: float = 1.0  # first retry of an unanswered protocol message (doubles)
     gc_freeze: bool = True  # keep full GC collections short while running (see gcfreeze)
 
@@ -254,7 +255,7 @@ class Agent:
         self.info = WorkerInfo(name, rank)
         self.io = IOLoop(key, rank, self._on_message, name=f"nbrpc-io[{name}]",
                          copy=parallel_copy, max_message_size=opts.max_message_size,
-                         max_age=opts.max_message_age)
+                         max_age=opts.max_message_age, encrypt=opts.encrypt)
         self.address = self.io.bind(opts.host, opts.port)
         self._member = Member(name, rank, self.address)
         self.pool = WorkerPool(opts.num_worker_threads, f"nbrpc-worker[{name}]",
@@ -344,6 +345,13 @@ class Agent:
             have = sorted(self._coordinator.members)
             missing = (f" Joined so far: ranks {have} of world_size={self.world_size};"
                        " check that every rank calls init_rpc with the same init_method.")
+        if self.rank != 0:
+            missing += (" If rank 0 runs as another user or with another key "
+                        "(NBRPC_SECRET_KEY, NBRPC_KEY_FILE), it drops this worker's messages "
+                        "unread: give every rank the same NBRPC_SECRET_KEY.")
+        if self.io.dropped_bad:
+            missing += (f" {self.io.dropped_bad} message(s) signed with another key were "
+                        "dropped here meanwhile: a rank with a different key tried to join.")
         raise RendezvousError(
             f"{self.name!r} could not join the group within {timeout:g} s.{missing}")
 

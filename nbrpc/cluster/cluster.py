@@ -127,7 +127,8 @@ class Cluster:
     ``failure_timeout``: seconds a worker may stay silent with its connection
     up (busy in C code holding the GIL, stopped, its host unreachable) before
     it is declared dead; a worker whose process exits is noticed within
-    about a second regardless.
+    about a second regardless. ``encrypt``: CURVE-encrypt the workers'
+    connections (for engines on networks you do not trust).
 
     >>> import torch
     >>> from nbrpc import rpc
@@ -154,6 +155,7 @@ class Cluster:
         controller_ip: str | None = None,
         heartbeat: float = 0.5,
         failure_timeout: float = 30.0,
+        encrypt: bool = False,
         profile_dir: str | None = None,
         progress: bool | None = None,
     ) -> None:
@@ -172,6 +174,7 @@ class Cluster:
         self.rpc_timeout = float(rpc_timeout)
         self.heartbeat = float(heartbeat)
         self.failure_timeout = float(failure_timeout)
+        self.encrypt = bool(encrypt)
         if not self.failure_timeout >= 2 * self.heartbeat:
             raise ValueError(f"failure_timeout must be >= twice heartbeat ({2 * self.heartbeat:g}"
                              f" s), got {failure_timeout!r}")
@@ -245,7 +248,7 @@ class Cluster:
         key = new_key()
         opts = AgentOptions(num_worker_threads=self.threads, rpc_timeout=self.rpc_timeout,
                             host=self.host, port=0, heartbeat_interval=self.heartbeat,
-                            failure_timeout=self.failure_timeout)
+                            failure_timeout=self.failure_timeout, encrypt=self.encrypt)
         self.agent = Agent("driver", 0, key, world_size=None, options=opts)
         self.agent.start(None, self.timeout)
         set_default_agent(self.agent)
@@ -344,7 +347,7 @@ class Cluster:
         ranks = {w.name: w.rank for w in self.workers.values()}
         options = {"num_worker_threads": self.threads, "rpc_timeout": self.rpc_timeout,
                    "heartbeat_interval": self.heartbeat,
-                   "failure_timeout": self.failure_timeout}
+                   "failure_timeout": self.failure_timeout, "encrypt": self.encrypt}
         while pending:
             self._assign_engines(client, pending)
             for name in sorted(pending):

@@ -81,7 +81,11 @@ def _coordinate_through_file(make: Callable[[bytes], Agent], path: str,
     """Rank 0 of a file:// group: publish, wait for the group, tidy the file."""
     key = rendezvous.file_key()
     agent = make(key)
-    rendezvous.publish(path, agent.address, key)
+    try:
+        rendezvous.publish(path, agent.address, key)  # refuses a path someone else holds
+    except BaseException:
+        agent.shutdown(graceful=False)
+        raise
     try:
         agent.start(None, timeout)
     except BaseException:
@@ -108,7 +112,7 @@ def _join_through_file(make: Callable[[bytes], Agent], path: str, timeout: float
         try:
             now = rendezvous.lookup(path, 0.01)
         except RendezvousError:
-            continue  # gone for a moment: rank 0 is about to publish
+            continue  # gone for a moment (rank 0 is about to publish), or not ours: keep ours
         if now != published:
             agent.shutdown(graceful=False)
             published = now
@@ -118,8 +122,10 @@ def _join_through_file(make: Callable[[bytes], Agent], path: str, timeout: float
 
 
 def _unlink(path: str) -> None:
+    """Remove our rendezvous file; one that someone else put there is left alone."""
     try:
-        os.unlink(path)
+        if os.lstat(path).st_uid == os.geteuid():
+            os.unlink(path)
     except OSError:
         pass
 

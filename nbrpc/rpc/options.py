@@ -12,6 +12,7 @@ DEFAULT_NUM_WORKER_THREADS = 16
 UNSET_RPC_TIMEOUT = -1.0
 DEFAULT_FAILURE_TIMEOUT = 30.0
 FAILURE_TIMEOUT_ENV = "NBRPC_FAILURE_TIMEOUT"
+ENCRYPT_ENV = "NBRPC_ENCRYPT"
 
 
 class BackendType(enum.Enum):
@@ -41,6 +42,9 @@ class TensorPipeRpcBackendOptions(RpcBackendOptions):
     process exits is noticed within about a second whatever this is. With
     PyTorch's own options class, set ``NBRPC_FAILURE_TIMEOUT`` instead.
     ``max_message_size``: the most bytes a received message may declare.
+    ``encrypt=True`` (or ``NBRPC_ENCRYPT=1``) encrypts every connection with
+    ZeroMQ's CURVE, for traffic that crosses networks you do not trust; every
+    worker must use the same setting.
 
     >>> TensorPipeRpcBackendOptions(num_worker_threads=8, rpc_timeout=20).rpc_timeout
     20.0
@@ -60,6 +64,7 @@ class TensorPipeRpcBackendOptions(RpcBackendOptions):
         _channels: list | None = None,
         failure_timeout: float | None = None,
         max_message_size: int | None = None,
+        encrypt: bool | None = None,
     ) -> None:
         super().__init__(rpc_timeout, init_method)
         if int(num_worker_threads) < 1:
@@ -72,6 +77,7 @@ class TensorPipeRpcBackendOptions(RpcBackendOptions):
             raise ValueError(f"max_message_size must be an int of at least 1 MiB (1 << 20), "
                              f"got {max_message_size!r}")
         self.max_message_size = max_message_size
+        self.encrypt = encrypt
         if device_maps:
             _refuse_devices()
         self.device_maps: dict = {}
@@ -118,6 +124,10 @@ def read_options(opts: Any) -> dict[str, Any]:
         "init_method": getattr(opts, "init_method", None) or DEFAULT_INIT_METHOD,
         "failure_timeout": float(failure),
     }
+    encrypt = getattr(opts, "encrypt", None)
+    if encrypt is None:
+        encrypt = os.environ.get(ENCRYPT_ENV, "").lower() in ("1", "true", "yes", "on")
+    read["encrypt"] = bool(encrypt)
     size = getattr(opts, "max_message_size", None)
     if size is not None:
         read["max_message_size"] = size

@@ -30,6 +30,13 @@ shared-memory segments are dropped unread and counted by reason
 (``dropped``); the log gets the first of each reason at once, then one
 summary line per ``DROP_LOG_INTERVAL``.
 
+Encryption (``encrypt=True``): every connection uses ZeroMQ's CURVE
+(Curve25519 key exchange, then every frame encrypted and authenticated by
+libsodium). The server key pair of every agent is derived from the group
+key, so a peer without the key cannot even complete a connection: nothing it
+sends reaches the I/O thread. For traffic that crosses networks you do not
+trust; on one host or a private network, signing alone is enough and faster.
+
 Links: every DEALER is watched by a libzmq socket monitor, so the agent
 learns within milliseconds that the process at the other end is gone (the
 kernel closed its connection), with no heartbeat involved.
@@ -39,7 +46,9 @@ process that is stopped or busy (its GIL held) keeps its link up.
 
 from __future__ import annotations
 
+import hashlib
 import heapq
+import hmac
 import itertools
 import logging
 import os
@@ -97,6 +106,7 @@ class IOLoop:
         copy: Callable[[memoryview, memoryview], None] | None = None,
         max_message_size: int = DEFAULT_MAX_MESSAGE,
         max_age: float = 300.0,
+        encrypt: bool = False,
     ) -> None:
         self._key = key
         self.local_id = local_id
@@ -111,6 +121,10 @@ class IOLoop:
         self._router.setsockopt(zmq.RCVHWM, RCVHWM)
         # a frame above this is refused by libzmq before it is allocated
         self._router.setsockopt(zmq.MAXMSGSIZE, self.max_message_size + MAX_HEADER + SIG_LEN)
+        self._curve = _curve_keys(key) if encrypt else None
+        if self._curve is not None:
+            self._router.setsockopt(zmq.CURVE_SERVER, 1)
+            self._router.setsockopt(zmq.CURVE_SECRETKEY, self._curve[1])
         self._dealers: dict[int, _Dealer] = {}
         self._same_host: dict[int, bool] = {}
         self._shm = shm.ShmWriter(copy or shm.plain_copy) if shm.available() else None
@@ -336,6 +350,11 @@ class IOLoop:
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.SNDHWM, 0)
         sock.setsockopt(zmq.LINGER, _LINGER_MS)
+        if self._curve is not None:
+            server_public, _, public, secret = self._curve
+            sock.setsockopt(zmq.CURVE_SERVERKEY, server_public)
+            sock.setsockopt(zmq.CURVE_PUBLICKEY, public)
+            sock.setsockopt(zmq.CURVE_SECRETKEY, secret)
         monitor = sock.get_monitor_socket(_LINK_EVENTS)
         self._links[peer] = time.monotonic()  # down until connected
         sock.connect(address)
@@ -602,6 +621,21 @@ class _Dealer:
         self.lock = threading.Lock()
         self.queue: deque = deque()  # (frames, nbytes)
         self.sent_msgs = self.sent_bytes = 0  # under lock
+
+
+def _curve_keys(key: bytes) -> tuple[bytes, bytes, bytes, bytes]:
+    """(server public, server secret, client public, client secret), Z85-encoded.
+    The server pair is the group's (derived from its key); the client pair is
+    this transport's own."""
+    if not zmq.has("curve"):
+        raise RuntimeError("encrypt=True needs libzmq with CURVE support (pyzmq's wheels "
+                           "have it); this libzmq was built without libsodium")
+    from zmq.utils import z85
+
+    seed = hmac.new(key, b"nbrpc-curve-server", hashlib.sha256).digest()
+    server_secret = z85.encode(seed)
+    public, secret = zmq.curve_keypair()
+    return zmq.curve_public(server_secret), server_secret, public, secret
 
 
 def _close_monitor(dealer: _Dealer) -> None:
