@@ -156,7 +156,8 @@ def test_launcher_options_are_python_literals_or_strings() -> None:
 
 @pytest.mark.cluster
 def test_a_session_of_magics_on_a_real_cluster(shell, capsys) -> None:
-    status = shell.run_line_magic("rpc_cluster", "start 2 --threads 4")
+    status = shell.run_line_magic("rpc_cluster",
+                                  "start 2 --threads 4 --failure-timeout 45 --encrypt")
     assert str(status).splitlines() == [
         "nbrpc cluster (fork launcher): 2 workers ready",
         "  rank  name     state",
@@ -179,6 +180,10 @@ def test_a_session_of_magics_on_a_real_cluster(shell, capsys) -> None:
                        "(rpc.rpc_sync('worker2', square, args=(7,)), c.rpc_sync().bump(2),"
                        " c.rpc_sync().bump(3))")
     assert r.result == (49, 2, 5)
+    r = shell.run_cell("from nbrpc.agent import current_agent\n"
+                       "rpc.rpc_sync('worker1', lambda: (current_agent().options.failure_timeout,"
+                       " current_agent().options.encrypt))")
+    assert r.result == (45.0, True)  # the options reached the engines' agents
     capsys.readouterr()
 
     shell.run_cell_magic("rpc_on", "worker2 worker1",

@@ -89,6 +89,8 @@ def _cluster_parser() -> _Parser:
     s.add_argument("--failure-timeout", type=_positive_float, default=30.0,
                    help="seconds a busy or stopped worker may stay silent before it is "
                         "declared dead (default 30; an exited worker is noticed at once)")
+    s.add_argument("--encrypt", action="store_true",
+                   help="CURVE-encrypt the workers' connections (networks you do not trust)")
     s.add_argument("--host", default=None,
                    help="interface the driver listens on (default: loopback for local "
                         "launchers, else this host's routable address)")
@@ -168,7 +170,7 @@ class ClusterMagics(Magics):
         cluster = Cluster(launcher=args.launcher, launcher_options=_launcher_options(extra),
                           threads=args.threads, timeout=args.timeout,
                           rpc_timeout=args.rpc_timeout, host=args.host,
-                          failure_timeout=args.failure_timeout,
+                          failure_timeout=args.failure_timeout, encrypt=args.encrypt,
                           controller_ip=args.controller_ip)
         cluster.start(args.n)
         old, self.cluster = self.cluster, cluster
