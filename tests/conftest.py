@@ -73,6 +73,30 @@ def poll_or_fail(pred: Callable[[], Any], timeout: float, what: Any,
         time.sleep(interval)
 
 
+@contextmanager
+def intruder(address: str, key: bytes | None = None) -> Iterator[Any]:
+    """A raw DEALER connected to an agent, as an attacker would open one. With
+    ``key``, it presents the group's connection token (as a peer that sniffed
+    it off a network could): it gets in, but can still sign nothing."""
+    import zmq
+
+    from nbrpc.transport.io import connect_token
+
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.SNDHWM, 0)
+    if key is not None:
+        sock.setsockopt(zmq.PLAIN_USERNAME, b"nbrpc")
+        sock.setsockopt(zmq.PLAIN_PASSWORD, connect_token(key))
+    sock.connect(address)
+    try:
+        yield sock
+    finally:
+        sock.close()
+        ctx.term()
+
+
 def poll_for(condition: Callable[[], bool], timeout: float = 5.0, interval: float = 0.005) -> bool:
     """Wait until ``condition()`` is true; False if ``timeout`` passes first."""
     deadline = time.monotonic() + timeout

@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 import zmq
-from conftest import local_group, poll_for
+from conftest import intruder, local_group, poll_for
 
 from nbrpc import rpc
 from nbrpc.agent import current_agent
@@ -246,19 +246,19 @@ def test_wait_inside_io_callback_raises_instead_of_deadlocking(trio) -> None:
 
 def test_tampered_message_dropped_unread(trio) -> None:
     a, b, _ = trio
-    ctx = zmq.Context.instance()
-    s = ctx.socket(zmq.DEALER)
-    s.setsockopt(zmq.LINGER, 0)
-    s.connect(b.address)
-    try:
-        evil = b"cos\nsystem\n(S'echo pwned'\ntR."
+    evil = b"cos\nsystem\n(S'echo pwned'\ntR."
+    with intruder(b.address) as s:  # no key: the handshake fails, nothing is read
+        s.send_multipart(pack(new_key(), 1, 0, 1, evil), flags=zmq.NOBLOCK)
+        time.sleep(0.3)
+    with intruder(b.address, b"wrong key" * 4) as s:  # a wrong token: refused, counted
+        s.send_multipart(pack(new_key(), 1, 0, 1, evil), flags=zmq.NOBLOCK)
+        assert poll_for(lambda: b.io.dropped["refused connection"] == 1)
+    with intruder(b.address, b._key) as s:  # past the handshake, but cannot sign
         s.send_multipart([bytes(32), b"\x01" * 24, evil])  # not even framed
         s.send_multipart(pack(new_key(), 1, 0, 1, evil))  # framed, signed with another key
-        assert poll_for(lambda: sum(b.io.dropped.values()) == 2)
-    finally:
-        s.close()
+        assert poll_for(lambda: sum(b.io.dropped.values()) == 3)
     counters = b.snapshot()["counters"]
-    assert counters["dropped"] == {"framing": 1, "bad signature": 1}
+    assert counters["dropped"] == {"refused connection": 1, "framing": 1, "bad signature": 1}
     assert counters["dropped_bad_signature"] == 1
     assert a.rpc_async("b", add, (5, 5)).wait() == 10
 
@@ -442,15 +442,10 @@ def test_a_signed_but_broken_message_does_not_stop_the_agent(trio) -> None:
     from nbrpc.transport import pack
 
     a, b, _ = trio
-    s = zmq.Context.instance().socket(zmq.DEALER)
-    s.setsockopt(zmq.LINGER, 0)
-    s.connect(b.address)
-    try:
+    with intruder(b.address, b._key) as s:
         before = b.io.recv_msgs
         s.send_multipart(pack(b._key, CONTROL, 0, 0, b"\x80\x05not a pickle"))
         assert poll_for(lambda: b.io.recv_msgs == before + 1)
-    finally:
-        s.close()
     assert b.io._thread.is_alive()
     assert a.rpc_async("b", add, (20, 22)).wait() == 42
 

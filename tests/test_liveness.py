@@ -16,7 +16,7 @@ import time
 import pytest
 import torch
 import zmq
-from conftest import local_group, poll_for
+from conftest import intruder, local_group, poll_for
 
 from nbrpc.agent import Agent, AgentOptions
 from nbrpc.errors import RendezvousError, SerializationError, WorkerGoneError
@@ -172,12 +172,8 @@ def test_an_unpicklable_result_names_the_worker_and_the_type(trio) -> None:
 
 def test_drops_are_counted_by_reason_and_logged_once_per_interval(trio, caplog) -> None:
     a, b, _ = trio
-    ctx = zmq.Context.instance()
-    s = ctx.socket(zmq.DEALER)
-    s.setsockopt(zmq.LINGER, 0)
-    s.connect(b.address)
     caplog.set_level(logging.WARNING, logger="nbrpc.transport.io")
-    try:
+    with intruder(b.address, b._key) as s:  # past the handshake, but signing with another key
         for i in range(50):
             s.send_multipart(pack(new_key(), 1, 0, i, b"x"))
         recorded = pack(b._key, 3, 0, 0, b"\x80\x05N.", incarnation=99, seq=5)
@@ -187,8 +183,6 @@ def test_drops_are_counted_by_reason_and_logged_once_per_interval(trio, caplog) 
                      sent_at=time.time() - 3600)
         s.send_multipart(stale)
         assert poll_for(lambda: sum(b.io.dropped.values()) == 52)
-    finally:
-        s.close()
     assert b.snapshot()["counters"]["dropped"] == {"bad signature": 50, "replayed": 1,
                                                    "stale": 1}
     lines = [r for r in caplog.records if "dropped" in r.getMessage()]

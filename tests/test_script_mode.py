@@ -66,6 +66,7 @@ from nbrpc.errors import (
 from nbrpc.serialize import dumps
 from nbrpc.transport import pack
 from nbrpc.transport.frames import SIG_LEN
+from nbrpc.transport.io import connect_token
 
 pytestmark = pytest.mark.multiprocess
 
@@ -652,6 +653,8 @@ def tampered_messages_are_dropped():
     try:
         sock = ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 1000)
+        sock.setsockopt(zmq.PLAIN_USERNAME, b"nbrpc")  # past the handshake (a sniffed token)
+        sock.setsockopt(zmq.PLAIN_PASSWORD, connect_token(key))
         sock.connect(address)
         for frames in bad:
             sock.send_multipart(frames)

@@ -1,6 +1,9 @@
 """Security tier: what a peer without the key (or replaying what it recorded) can do.
 
-100k hostile messages against a live in-process group: random bytes, truncated
+A peer without the key cannot complete a connection at all (see
+``test_a_peer_without_the_key_cannot_connect``). The fuzz goes further and
+assumes one that did (it sniffed the connection token off a network): 100k
+hostile messages against a live in-process group: random bytes, truncated
 and bit-flipped real messages, messages signed with the real key but framed
 wrongly, replays, stale messages, oversized frames and a flood of 32 MB
 frames. Afterwards nothing was unpickled, every message is accounted for in
@@ -19,11 +22,12 @@ import time
 
 import pytest
 import zmq
-from conftest import local_group, poll_for
+from conftest import intruder, local_group, poll_for
 
 from nbrpc.agent.messages import CONTROL, REQUEST, Heartbeat
 from nbrpc.transport import frames as fr
 from nbrpc.transport import new_key, pack
+from nbrpc.transport.io import connect_token
 
 pytestmark = pytest.mark.security
 
@@ -118,6 +122,8 @@ def test_hostile_input_is_dropped_unread_and_costs_nothing_lasting() -> None:
         sock = ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.SNDHWM, 0)
+        sock.setsockopt(zmq.PLAIN_USERNAME, b"nbrpc")
+        sock.setsockopt(zmq.PLAIN_PASSWORD, connect_token(b._key))
         sock.connect(b.address)
         t0 = time.perf_counter()
         sent = 0
@@ -173,3 +179,32 @@ def test_hostile_input_is_dropped_unread_and_costs_nothing_lasting() -> None:
               f"fds {fds0}->{fds1}, RSS {rss0 >> 20}->{rss1 >> 20} MiB")
         assert threads1 == threads0 and abs(fds1 - fds0) <= 2
         assert rss1 - rss0 < 150 << 20, (rss0 >> 20, rss1 >> 20)
+
+
+def test_a_peer_without_the_key_cannot_connect() -> None:
+    """Its handshake fails (no token) or is refused (a wrong one): the 32 MB
+    frames it sends are never read, let alone hashed or unpickled."""
+    UNPICKLED.clear()
+    with local_group(["a", "b"]) as (a, b):
+        big = bytes(32 << 20)
+        with intruder(b.address) as s:
+            for _ in range(20):
+                _try_send(s, [big])
+                _try_send(s, pack(new_key(), REQUEST, 0, 1, EVIL))
+            time.sleep(0.5)
+        with intruder(b.address, new_key()) as s:
+            for _ in range(20):
+                _try_send(s, [big])
+            assert poll_for(lambda: b.io.dropped["refused connection"] >= 1)
+            time.sleep(0.5)
+        assert set(b.io.dropped) == {"refused connection"}, dict(b.io.dropped)
+        assert UNPICKLED == []
+        assert a.rpc_async("b", add, (2, 2), timeout=10).wait() == 4
+
+
+def _try_send(sock: zmq.Socket, frames: list) -> None:
+    """Send without blocking: a DEALER whose handshake failed has nowhere to queue."""
+    try:
+        sock.send_multipart(frames, flags=zmq.NOBLOCK)
+    except zmq.Again:
+        time.sleep(0.01)

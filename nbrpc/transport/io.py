@@ -21,10 +21,17 @@ which the agent uses for call deadlines.
 A plain ``zmq.Poller`` thread was chosen by measurement: about 1.8× the round
 trips per second of ``zmq.asyncio`` in a minimal Python request/reply here.
 
-Input is bounded before it costs: libzmq drops a frame larger than the
-maximum message size before allocating it (``ZMQ_MAXMSGSIZE``), reads at most
+Connections are authenticated before any message is read: the ROUTER speaks
+ZeroMQ's PLAIN mechanism, and its ZAP handler (served on the I/O thread)
+accepts a connection only if its password is ``HMAC(key, "nbrpc-connect")``,
+which only key holders can compute. A peer without the key never completes a
+handshake, so nothing it sends is allocated or read (the token travels in
+clear; on a network someone can sniff, use ``encrypt=True``, where CURVE's
+handshake does the same job without revealing anything). Input from a
+connected peer is bounded too: libzmq drops a frame larger than the maximum
+message size before allocating it (``ZMQ_MAXMSGSIZE``), reads at most
 ``RCVHWM`` queued messages per peer, and :func:`~.frames.unpack` rejects a
-message from a peer without the key after one MAC over at most 64 KiB.
+message that is not signed with the key after one MAC over at most 64 KiB.
 Messages that fail a check, replayed or stale messages, and unreadable
 shared-memory segments are dropped unread and counted by reason
 (``dropped``); the log gets the first of each reason at once, then one
@@ -122,9 +129,18 @@ class IOLoop:
         # a frame above this is refused by libzmq before it is allocated
         self._router.setsockopt(zmq.MAXMSGSIZE, self.max_message_size + MAX_HEADER + SIG_LEN)
         self._curve = _curve_keys(key) if encrypt else None
+        self._zap: zmq.Socket | None = None
+        self.refused_connections = 0  # handshakes refused: no key
         if self._curve is not None:
             self._router.setsockopt(zmq.CURVE_SERVER, 1)
             self._router.setsockopt(zmq.CURVE_SECRETKEY, self._curve[1])
+        else:  # (bound before the ROUTER: no handshake ever goes unchecked)
+            self._zap = self._ctx.socket(zmq.REP)
+            self._zap.setsockopt(zmq.LINGER, 0)
+            self._zap.bind("inproc://zeromq.zap.01")
+            self._token = connect_token(key)
+            self._router.setsockopt(zmq.PLAIN_SERVER, 1)
+            self._router.setsockopt(zmq.ZAP_DOMAIN, b"nbrpc")
         self._dealers: dict[int, _Dealer] = {}
         self._same_host: dict[int, bool] = {}
         self._shm = shm.ShmWriter(copy or shm.plain_copy) if shm.available() else None
@@ -275,8 +291,8 @@ class IOLoop:
         try:
             return ShmRef(self._shm.write(m), m.nbytes)
         except OSError as e:  # /dev/shm full or unwritable: the socket still works
-            log.warning("shared memory unavailable (%s); sending %d bytes by socket",
-                        e, m.nbytes)
+            log.debug("shared memory unavailable (%s); sending %d bytes by socket",
+                      e, m.nbytes)
             return b
 
     def _is_local(self, peer: int) -> bool:
@@ -355,6 +371,9 @@ class IOLoop:
             sock.setsockopt(zmq.CURVE_SERVERKEY, server_public)
             sock.setsockopt(zmq.CURVE_PUBLICKEY, public)
             sock.setsockopt(zmq.CURVE_SECRETKEY, secret)
+        else:
+            sock.setsockopt(zmq.PLAIN_USERNAME, b"nbrpc")
+            sock.setsockopt(zmq.PLAIN_PASSWORD, self._token)
         monitor = sock.get_monitor_socket(_LINK_EVENTS)
         self._links[peer] = time.monotonic()  # down until connected
         sock.connect(address)
@@ -387,6 +406,28 @@ class IOLoop:
             elif event == zmq.EVENT_DISCONNECTED and self._links.get(peer) is None:
                 self._links[peer] = time.monotonic()
                 log.info("%s: the connection to peer %d closed", self._name, peer)
+
+    def _authenticate(self) -> None:
+        """Answer ZAP requests (RFC 27): a connection is let in only with the
+        group's connection token as its PLAIN password."""
+        zap = self._zap
+        for _ in range(64):
+            try:
+                request = zap.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            version, request_id = request[0], request[1] if len(request) > 1 else b""
+            # version, request id, domain, address, routing id, mechanism, user, password
+            ok = (len(request) == 8 and version == b"1.0" and request[5] == b"PLAIN"
+                  and hmac.compare_digest(request[6], b"nbrpc")
+                  and hmac.compare_digest(request[7], self._token))
+            if not ok:
+                self.refused_connections += 1
+                address = request[3].decode("ascii", "replace") if len(request) > 3 else "?"
+                self.note_drop("refused connection",
+                               f"a connection from {address} without the group's key")
+            zap.send_multipart([b"1.0", request_id, b"200" if ok else b"400",
+                                b"OK" if ok else b"no key", b"", b""])
 
     def _unwatch(self, dealer: _Dealer) -> None:
         if dealer.monitor is not None and self._monitors.pop(dealer.monitor, None):
@@ -459,6 +500,8 @@ class IOLoop:
             _close_monitor(dealer)
         self._monitors.clear()
         self._router.close(linger=0)
+        if self._zap is not None:
+            self._zap.close(linger=0)
         self._ctx.term()
         for fd in (self._wake_r, self._wake_w):
             try:
@@ -472,6 +515,8 @@ class IOLoop:
         poller = self._poller = zmq.Poller()
         poller.register(self._router, zmq.POLLIN)
         poller.register(self._wake_r, zmq.POLLIN)
+        if self._zap is not None:
+            poller.register(self._zap, zmq.POLLIN)
         router, queue, monitors = self._router, self._queue, self._monitors
         try:
             while not self._stopping:
@@ -495,10 +540,12 @@ class IOLoop:
                 self._serve_queue()
                 if router in ready:
                     self._recv_batch()
-                if monitors and len(ready) > (router in ready) + (self._wake_r in ready):
+                if len(ready) > (router in ready) + (self._wake_r in ready):
                     for sock in ready:
                         if sock in monitors:
                             self._on_link_events(sock)
+                        elif sock is self._zap:
+                            self._authenticate()
                 if self._timers:
                     self._run_timers()
             self._serve_queue()  # what was queued before the stop request
@@ -621,6 +668,12 @@ class _Dealer:
         self.lock = threading.Lock()
         self.queue: deque = deque()  # (frames, nbytes)
         self.sent_msgs = self.sent_bytes = 0  # under lock
+
+
+def connect_token(key: bytes) -> bytes:
+    """The PLAIN password that opens a connection to an agent of the group
+    whose key is ``key`` (reveals nothing about the key itself)."""
+    return hmac.new(key, b"nbrpc-connect", hashlib.sha256).hexdigest().encode()
 
 
 def _curve_keys(key: bytes) -> tuple[bytes, bytes, bytes, bytes]:
