@@ -84,6 +84,7 @@ lint: $(STAMP)
 bench: $(STAMP)
 	$(PY) benchmarks/bench_rpc.py
 	$(PY) benchmarks/bench_cluster.py
+	$(PY) benchmarks/bench_security.py
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache

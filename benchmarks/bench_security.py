@@ -12,8 +12,9 @@ init method, whose group key nbrpc takes from the per-user key file):
   (no authentication, no encryption): the reference.
 - ``nbrpc``: ``nbrpc.rpc`` with ``TensorPipeRpcBackendOptions(encrypt=False)``,
   i.e. the defaults (set explicitly so that ``NBRPC_ENCRYPT`` in the
-  environment cannot change them): every message HMAC-signed with the group
-  key and checked against replay.
+  environment cannot change them): a connection is admitted only with the
+  group's token (ZeroMQ PLAIN checked by nbrpc's ZAP handler), and every
+  message is HMAC-signed with the group key and checked against replay.
 - ``nbrpc+curve``: ``TensorPipeRpcBackendOptions(encrypt=True)``: the same,
   and every connection CURVE-encrypted by libzmq (as ``NBRPC_ENCRYPT=1``).
 
@@ -52,8 +53,11 @@ What is measured (rank 0 calling rank 1 over loopback):
    Below the table: rank 1's ``snapshot()["counters"]["dropped"]`` (drop
    reason -> count, fetched by ``rpc_sync``), what the flooder's socket
    took, the connection events its socket monitor saw, and rank 1's peak
-   RSS (sampled by the flooder from ``/proc``). With CURVE the flooder never
-   completes a handshake, so nothing reaches nbrpc. To keep the machine
+   RSS (sampled by the flooder from ``/proc``). The flooder has no key, so
+   it never completes a handshake (PLAIN without the token; CURVE without
+   the server key) and nothing it sends reaches nbrpc; a peer that did get
+   in (a sniffed token) is the fuzz test's subject
+   (``tests/test_security_fuzz.py``). To keep the machine
    alive, the flooder pauses while its target's RSS is above
    ``flood_rss_cap_mb`` (the time paused is printed).
 5. Control (``nbrpc`` only): the same flood for the same time, aimed at a
@@ -578,7 +582,8 @@ def describe(cfg: Config, quick: bool) -> list[str]:
         f"64 MB by socket {cfg.socket_echo[0]}+{cfg.socket_echo[1]}; during the flood "
         f"{cfg.flood[0]} + as many as fit in {cfg.flood_s:g} s, after it "
         f"{cfg.after[0]}+{cfg.after[1]}",
-        "nbrpc: every message HMAC-signed and replay-checked; nbrpc+curve: the same, every "
+        "nbrpc: connections admitted by token, every message HMAC-signed and replay-checked; "
+        "nbrpc+curve: the same, every "
         "connection CURVE-encrypted (TensorPipeRpcBackendOptions(encrypt=True)); torch: no "
         "authentication, no encryption",
         "bandwidth = 2 * tensor size / median round trip (GB/s = 1e9 B/s; 1 MB = 2**20 B)",
@@ -590,9 +595,9 @@ def describe(cfg: Config, quick: bool) -> list[str]:
         "_channels=['basic']: the bytes cross TCP (and, for curve, libsodium)",
         f"flood (nbrpc only): another process sends rank 1 rounds of one "
         f"{cfg.flood_big >> 20} MB zero frame + {cfg.flood_smalls_per_big} frames of "
-        f"{cfg.flood_small} random bytes (half with a well-formed header, so they reach "
-        "the HMAC check) from a plain zmq DEALER (no key, no CURVE) as fast as it can, "
-        "while rank 0 calls rank 1",
+        f"{cfg.flood_small} random bytes (half with a well-formed header) from a plain zmq "
+        "DEALER (no key, no CURVE: its handshakes fail) as fast as it can, while rank 0 "
+        "calls rank 1",
         "control: the same flood aimed at a bystander process that drops every frame, "
         "while rank 0 calls rank 1: the cost of the machine being busy (2 cores), not of "
         "rank 1 handling garbage",
