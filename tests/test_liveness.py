@@ -20,7 +20,7 @@ from conftest import intruder, local_group, poll_for
 
 from nbrpc.agent import Agent, AgentOptions
 from nbrpc.errors import RendezvousError, SerializationError, WorkerGoneError
-from nbrpc.transport import new_key, pack
+from nbrpc.transport import ShmRef, new_key, pack
 
 
 def add(a, b=0):
@@ -183,10 +183,16 @@ def test_drops_are_counted_by_reason_and_logged_once_per_interval(trio, caplog) 
                      sent_at=time.time() - 3600)
         s.send_multipart(stale)
         assert poll_for(lambda: sum(b.io.dropped.values()) == 52)
+    with intruder(b.address, b._key) as s:  # signed, but nothing b can act on
+        s.send_multipart(pack(b._key, 99, 0, 0, b"", incarnation=98, seq=1))
+        s.send_multipart(pack(b._key, 1, 0, 0, b"", [ShmRef("nbrpc-1-00-0", 4 << 20)],
+                              incarnation=98, seq=2))
+        assert poll_for(lambda: sum(b.io.dropped.values()) == 54)
     assert b.snapshot()["counters"]["dropped"] == {"bad signature": 50, "replayed": 1,
-                                                   "stale": 1}
+                                                   "stale": 1, "unknown kind": 1,
+                                                   "unreadable segment": 1}
     lines = [r for r in caplog.records if "dropped" in r.getMessage()]
-    assert len(lines) == 3, [r.getMessage() for r in lines]  # the first of each reason
+    assert len(lines) == 5, [r.getMessage() for r in lines]  # the first of each reason
     assert a.rpc_async("b", add, (1, 1)).wait() == 2
 
 
