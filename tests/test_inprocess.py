@@ -328,10 +328,12 @@ def test_non_graceful_shutdown_fails_pending_calls() -> None:
 
 
 def test_dynamic_group_members_join_and_leave() -> None:
-    with local_group(["lead", "w1"], dynamic=True) as (lead, w1):
+    fast = {"heartbeat_interval": 0.2, "failure_timeout": 1.0}
+    with local_group(["lead", "w1"], dynamic=True, **fast) as (lead, w1):
         from nbrpc.agent import Agent, AgentOptions
 
-        late = Agent("w2", 2, lead._key, world_size=None, options=AgentOptions(num_worker_threads=2))
+        late = Agent("w2", 2, lead._key, world_size=None,
+                     options=AgentOptions(num_worker_threads=2, **fast))
         late.start(lead.address, 5)
         assert poll_for(lambda: "w2" in w1._by_name)
         assert w1.rpc_async("w2", whoami).wait() == "w2"
@@ -339,7 +341,9 @@ def test_dynamic_group_members_join_and_leave() -> None:
         time.sleep(3 * lead.options.failure_timeout / 2)  # heartbeats flow both ways
         assert late.state == "ready" and lead.is_member(2) and late.is_member(0)
         late.shutdown()
-        assert poll_for(lambda: "w2" not in w1._by_name and "w2" not in lead._by_name)
+        assert poll_for(lambda: "w2" not in w1._by_name and "w2" not in lead._by_name), (
+            sorted(w1._by_name), sorted(lead._by_name), dict(lead.io.dropped),
+            lead.events.records(30))
         with pytest.raises(WorkerGoneError, match="'w2' left the group"):
             w1.rpc_async("w2", whoami)  # a former member: named, and why
 
