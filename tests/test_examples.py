@@ -1,0 +1,34 @@
+"""The tutorials' programs as scripts (``examples/``), run as a user would run them."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.multiprocess
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+
+
+def _run(script: str, *args: str) -> str:
+    r = subprocess.run([sys.executable, str(EXAMPLES / script), *args], capture_output=True,
+                       text=True, timeout=120, cwd=EXAMPLES.parent)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+    return r.stdout
+
+
+def test_remote_module_pipeline_trains_like_the_local_model() -> None:
+    out = _run("06_remote_module.py", "--epochs", "3")
+    m = re.search(r"(\d+) steps: loss ([\d.]+) -> ([\d.]+), equal to the local model's", out)
+    assert m, out
+    steps, first, last = int(m[1]), float(m[2]), float(m[3])
+    assert steps == 24 and last < first * 0.75, out
+
+
+def test_script_mode_example_runs() -> None:
+    out = _run("script_mode.py")
+    assert "counter on worker1 = 6" in out, out
