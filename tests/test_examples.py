@@ -32,3 +32,10 @@ def test_remote_module_pipeline_trains_like_the_local_model() -> None:
 def test_script_mode_example_runs() -> None:
     out = _run("script_mode.py")
     assert "counter on worker1 = 6" in out, out
+
+
+def test_batch_update_parameter_server_trains_every_trainer() -> None:
+    out = _run("04_parameter_server.py", "--trainers", "3", "--batches", "10")
+    found = re.findall(r"trainer(\d): loss ([\d.]+) -> ([\d.]+)", out)
+    assert sorted(int(t) for t, _, _ in found) == [1, 2, 3], out
+    assert all(float(last) < float(first) / 2 for _, first, last in found), out
