@@ -39,3 +39,9 @@ def test_batch_update_parameter_server_trains_every_trainer() -> None:
     found = re.findall(r"trainer(\d): loss ([\d.]+) -> ([\d.]+)", out)
     assert sorted(int(t) for t, _, _ in found) == [1, 2, 3], out
     assert all(float(last) < float(first) / 2 for _, first, last in found), out
+
+
+def test_rnn_over_a_parameter_server_learns_the_corpus() -> None:
+    out = _run("03_rnn_parameter_server.py", "--epochs", "3")
+    m = re.search(r"(\d+) iterations: loss ([\d.]+) -> ([\d.]+)", out)
+    assert m and int(m[1]) == 90 and float(m[3]) < float(m[2]) * 0.6, out
