@@ -15,41 +15,22 @@ from __future__ import annotations
 import ctypes
 import os
 import signal
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import pytest
 from conftest import free_ports, poll_or_fail
+from fault_util import assert_healthy, finish, health, join, pid, spawn
 
 from nbrpc import rpc
-from nbrpc.agent import current_agent
 from nbrpc.errors import WorkerGoneError
 
 pytestmark = [pytest.mark.faults, pytest.mark.multiprocess]
 
 HOLD_S = 10
 DEATH_BOUND_S = 2.5
-TESTS = Path(__file__).parent
-MEMBER = """
-import sys
-from nbrpc import rpc
-name, rank, world, port = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
-opts = rpc.TensorPipeRpcBackendOptions(init_method=f"tcp://127.0.0.1:{port}", rpc_timeout=120,
-                                       num_worker_threads=4)
-rpc.init_rpc(name, rank=rank, world_size=world, rpc_backend_options=opts)
-rpc.shutdown(timeout=300)
-"""
-
-
 def hold_gil(seconds: int) -> int:
     """Sleep in C with the GIL held: no other thread of this process runs."""
     ctypes.PyDLL(None).sleep(int(seconds))
-    return os.getpid()
-
-
-def pid() -> int:
     return os.getpid()
 
 
@@ -62,53 +43,12 @@ def sleep_then(seconds: float, value: int) -> int:
     return value
 
 
-def health() -> tuple[list[int], int, int]:
-    """(member ranks, times this agent took someone back, deaths it saw)."""
-    agent = current_agent()
-    deaths = sum(e["event"] == "member-dead" for e in agent.events.records(None))
-    return sorted(agent._members), agent.readmitted, deaths
-
-
-def _spawn(name: str, rank: int, world: int, port: int) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), str(TESTS.parent)])}
-    return subprocess.Popen([sys.executable, "-c", MEMBER, name, str(rank), str(world),
-                             str(port)], env=env)
-
-
-def _join(name: str, rank: int, world: int, port: int) -> None:
-    opts = rpc.TensorPipeRpcBackendOptions(init_method=f"tcp://127.0.0.1:{port}",
-                                           rpc_timeout=120, num_worker_threads=4)
-    rpc.init_rpc(name, rank=rank, world_size=world, rpc_backend_options=opts)
-
-
-def _all_healthy(names: list[str], world: int) -> None:
-    for name in names:
-        ranks, readmitted, deaths = rpc.rpc_sync(name, health, timeout=30)
-        assert ranks == list(range(world)) and readmitted == 0 and deaths == 0, (
-            name, ranks, readmitted, deaths)
-
-
-def _finish(procs: list[subprocess.Popen], killed: tuple = ()) -> None:
-    try:
-        rpc.shutdown(timeout=60)
-    finally:
-        for p in procs:
-            try:
-                p.wait(30)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait(10)
-    for p in procs:
-        if p not in killed:
-            assert p.returncode == 0, p.args
-
-
 def test_gil_holds_and_sigstop_lose_nobody_and_sigkill_is_noticed_fast() -> None:
     (port,) = free_ports(1)
-    procs = [_spawn(f"worker{r}", r, 3, port) for r in (1, 2)]
+    procs = [spawn(f"worker{r}", r, 3, port) for r in (1, 2)]
     killed: tuple = ()
     try:
-        _join("driver", 0, 3, port)
+        join("driver", 0, 3, port)
         names = ["driver", "worker1", "worker2"]
         pids = {n: rpc.rpc_sync(n, pid) for n in names[1:]}
 
@@ -117,7 +57,7 @@ def test_gil_holds_and_sigstop_lose_nobody_and_sigkill_is_noticed_fast() -> None
         hold_gil(HOLD_S)
         assert time.monotonic() - t0 >= HOLD_S - 0.5
         time.sleep(1.5)  # a round of heartbeats
-        _all_healthy(names, 3)
+        assert_healthy(names, 3)
 
         # 2. a worker holds its GIL for 10 s; calls to it wait, calls elsewhere flow
         held = rpc.rpc_async("worker1", hold_gil, args=(HOLD_S,), timeout=60)
@@ -128,7 +68,7 @@ def test_gil_holds_and_sigstop_lose_nobody_and_sigkill_is_noticed_fast() -> None
             time.sleep(1)
         assert held.wait() == pids["worker1"] and queued.wait() == 42
         time.sleep(1.5)
-        _all_healthy(names, 3)
+        assert_healthy(names, 3)
 
         # 3. a worker is stopped for 10 s
         os.kill(pids["worker2"], signal.SIGSTOP)
@@ -139,7 +79,7 @@ def test_gil_holds_and_sigstop_lose_nobody_and_sigkill_is_noticed_fast() -> None
             os.kill(pids["worker2"], signal.SIGCONT)
         assert during.wait() == 3
         time.sleep(1.5)
-        _all_healthy(names, 3)
+        assert_healthy(names, 3)
 
         # 4. a worker is killed during calls: they fail within the bound
         calls = [rpc.rpc_async("worker2", sleep_then, args=(30, i), timeout=60) for i in range(4)]
@@ -157,14 +97,14 @@ def test_gil_holds_and_sigstop_lose_nobody_and_sigkill_is_noticed_fast() -> None
         poll_or_fail(lambda: rpc.rpc_sync("worker1", health)[0] == [0, 1], 5,
                      "worker1 to hear that worker2 died")
     finally:
-        _finish(procs, killed)
+        finish(procs, killed)
 
 
 def test_a_stopped_coordinator_loses_nobody() -> None:
     (port,) = free_ports(1)
-    procs = [_spawn("master", 0, 3, port), _spawn("worker2", 2, 3, port)]
+    procs = [spawn("master", 0, 3, port), spawn("worker2", 2, 3, port)]
     try:
-        _join("worker1", 1, 3, port)
+        join("worker1", 1, 3, port)
         names = ["master", "worker1", "worker2"]
         master = rpc.rpc_sync("master", pid)
         os.kill(master, signal.SIGSTOP)
@@ -177,6 +117,6 @@ def test_a_stopped_coordinator_loses_nobody() -> None:
             os.kill(master, signal.SIGCONT)
         assert during.wait() == 5
         time.sleep(1.5)
-        _all_healthy(names, 3)
+        assert_healthy(names, 3)
     finally:
-        _finish(procs)
+        finish(procs)

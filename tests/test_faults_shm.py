@@ -19,13 +19,12 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
-from pathlib import Path
 
 import pytest
 import torch
 from conftest import free_ports, poll_or_fail
+from fault_util import ROOT, TESTS, GilTicker, assert_healthy, finish, join, pid, spawn
 
 from nbrpc import rpc
 from nbrpc.agent import current_agent
@@ -34,42 +33,10 @@ from nbrpc.transport import shm
 pytestmark = [pytest.mark.faults, pytest.mark.multiprocess,
               pytest.mark.skipif(not shm.available(), reason="no /dev/shm")]
 
-TESTS = Path(__file__).parent
-ROOT = TESTS.parent
-MEMBER = """
-import sys
-from nbrpc import rpc
-name, rank, world, port = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
-opts = rpc.TensorPipeRpcBackendOptions(init_method=f"tcp://127.0.0.1:{port}", rpc_timeout=120,
-                                       num_worker_threads=4)
-rpc.init_rpc(name, rank=rank, world_size=world, rpc_backend_options=opts)
-rpc.shutdown(timeout=300)
-"""
 SWEEP_BOUND_S = 2.0
 
 
 # -- run remotely (module level: the workers import this file) ----------------------
-class GilTicker:
-    """A thread that wakes every 5 ms; ``gap`` is the longest it could not run."""
-
-    def __init__(self) -> None:
-        self.gap = 0.0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="gil-ticker", daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        last = time.perf_counter()
-        while not self._stop.wait(0.005):
-            now = time.perf_counter()
-            self.gap, last = max(self.gap, now - last), now
-
-    def stop(self) -> float:
-        self._stop.set()
-        self._thread.join()
-        return self.gap
-
-
 _ticker: GilTicker | None = None
 
 
@@ -92,17 +59,6 @@ def make(nbytes: int, value: float) -> torch.Tensor:
     return torch.full((nbytes // 4,), value)
 
 
-def pid() -> int:
-    return os.getpid()
-
-
-def health() -> tuple[list[int], int, int]:
-    """(member ranks, times this agent took someone back, deaths it saw)."""
-    agent = current_agent()
-    deaths = sum(e["event"] == "member-dead" for e in agent.events.records(None))
-    return sorted(agent._members), agent.readmitted, deaths
-
-
 def shm_stats() -> tuple[int, int]:
     """(segments created, segments reused) by this process's writer."""
     w = current_agent().io._shm
@@ -110,33 +66,6 @@ def shm_stats() -> tuple[int, int]:
 
 
 # -- helpers --------------------------------------------------------------------------
-def _spawn(name: str, rank: int, world: int, port: int) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), str(ROOT)])}
-    return subprocess.Popen([sys.executable, "-c", MEMBER, name, str(rank), str(world),
-                             str(port)], env=env)
-
-
-def _join(name: str, rank: int, world: int, port: int) -> None:
-    opts = rpc.TensorPipeRpcBackendOptions(init_method=f"tcp://127.0.0.1:{port}",
-                                           rpc_timeout=120, num_worker_threads=4)
-    rpc.init_rpc(name, rank=rank, world_size=world, rpc_backend_options=opts)
-
-
-def _finish(procs: list[subprocess.Popen], killed: tuple = ()) -> None:
-    try:
-        rpc.shutdown(timeout=60)
-    finally:
-        for p in procs:
-            try:
-                p.wait(30)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait(10)
-    for p in procs:
-        if p not in killed:
-            assert p.returncode == 0, p.args
-
-
 def _segments_of(pid_: int) -> list[str]:
     return [f for f in os.listdir(shm.SHM_DIR) if f.startswith(f"nbrpc-{pid_}-")]
 
@@ -144,9 +73,9 @@ def _segments_of(pid_: int) -> list[str]:
 # -- a. 2 GB round trips ----------------------------------------------------------------
 def test_2gb_round_trips_lose_nobody() -> None:
     (port,) = free_ports(1)
-    procs = [_spawn("worker1", 1, 2, port)]
+    procs = [spawn("worker1", 1, 2, port)]
     try:
-        _join("driver", 0, 2, port)
+        join("driver", 0, 2, port)
         rpc.rpc_sync("worker1", start_ticker)
         ticker = GilTicker()
         x = torch.arange(1 << 29, dtype=torch.float32)  # 2 GiB
@@ -166,12 +95,11 @@ def test_2gb_round_trips_lose_nobody() -> None:
         print(f"\n2 GiB round trips: {', '.join(f'{s:.2f}' for s in took)} s; longest GIL "
               f"wait: driver {driver_gap:.3f} s, worker {worker_gap:.3f} s; worker's "
               f"segments: {created} created, {reused} reused")
-        for name in ("driver", "worker1"):
-            assert rpc.rpc_sync(name, health, timeout=30) == ([0, 1], 0, 0), name
+        assert_healthy(["driver", "worker1"], 2)
         assert driver_gap < 0.5 and worker_gap < 0.5
         assert reused >= 1  # later rounds copy into the pages of the first
     finally:
-        _finish(procs)
+        finish(procs)
 
 
 # -- b. /dev/shm of 64 MB ------------------------------------------------------------
@@ -180,10 +108,11 @@ import json, os, sys
 sys.path[:0] = [sys.argv[2], sys.argv[3]]
 import torch
 from nbrpc import rpc
-from test_faults_shm import _join, _spawn, echo, health, make, shm_stats
+from fault_util import health, join, spawn
+from test_faults_shm import echo, make, shm_stats
 port = int(sys.argv[1])
-worker = _spawn("worker1", 1, 2, port)
-_join("driver", 0, 2, port)
+worker = spawn("worker1", 1, 2, port)
+join("driver", 0, 2, port)
 out = {}
 x = torch.arange(64 << 20, dtype=torch.float32)  # 256 MiB: larger than all of /dev/shm
 y = rpc.rpc_sync("worker1", echo, args=(x,), timeout=60)
@@ -230,10 +159,10 @@ def test_a_64mb_dev_shm_sends_256mb_by_socket_and_nobody_dies() -> None:
 # -- c. SIGKILL of a process holding segments -----------------------------------------
 def test_a_killed_workers_segments_are_swept_when_its_death_is_noticed() -> None:
     (port,) = free_ports(1)
-    procs = [_spawn("worker1", 1, 2, port)]
+    procs = [spawn("worker1", 1, 2, port)]
     killed: tuple = ()
     try:
-        _join("driver", 0, 2, port)
+        join("driver", 0, 2, port)
         wpid = rpc.rpc_sync("worker1", pid)
         held = rpc.rpc_sync("worker1", make, args=(16 << 20, 1.0))  # its segment, mapped here
         freed = rpc.rpc_sync("worker1", make, args=(8 << 20, 2.0))
@@ -242,7 +171,7 @@ def test_a_killed_workers_segments_are_swept_when_its_death_is_noticed() -> None
         os.kill(wpid, signal.SIGKILL)
         killed = (procs[0],)
         t0 = time.monotonic()
-        # not reaped: until _finish, worker1 is a zombie that still answers kill(pid, 0)
+        # not reaped: until finish(), worker1 is a zombie that still answers kill(pid, 0)
         poll_or_fail(lambda: not current_agent().is_member(1), 30, "the death of worker1")
         noticed = time.monotonic() - t0
         poll_or_fail(lambda: not _segments_of(wpid), SWEEP_BOUND_S,
@@ -252,4 +181,4 @@ def test_a_killed_workers_segments_are_swept_when_its_death_is_noticed() -> None
         print(f"\nSIGKILL noticed in {noticed:.2f} s, segments gone {swept:.2f} s later")
         assert held.eq(1.0).all()  # a swept segment's map stays valid
     finally:
-        _finish(procs, killed)
+        finish(procs, killed)

@@ -6,12 +6,12 @@ import gc
 import os
 import subprocess
 import sys
-import threading
 import time
 
 import pytest
 import torch
 from conftest import poll_for
+from fault_util import GilTicker
 
 from nbrpc.transport import BadMessage, ShmRef, new_key, pack, shm, unpack
 
@@ -85,30 +85,6 @@ def test_segments_of_dead_processes_are_swept() -> None:
 GIL_GAP_S = 0.2  # the old MAP_POPULATE write held the GIL 0.6-3 s for 1 GB here
 
 
-class _Ticker:
-    """A thread that wakes every 5 ms; ``gap`` is the longest it could not run."""
-
-    def __init__(self) -> None:
-        self.gap = 0.0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="ticker")
-
-    def _run(self) -> None:
-        last = time.perf_counter()
-        while not self._stop.wait(0.005):
-            now = time.perf_counter()
-            self.gap, last = max(self.gap, now - last), now
-
-    def __enter__(self) -> _Ticker:
-        self._thread.start()
-        time.sleep(0.02)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
-
-
 def test_a_1gb_segment_is_written_and_read_with_the_gil_free() -> None:
     from nbrpc.serialize import parallel_copy
 
@@ -116,11 +92,11 @@ def test_a_1gb_segment_is_written_and_read_with_the_gil_free() -> None:
     src = memoryview(x.numpy()).cast("B")
     w = shm.ShmWriter(parallel_copy)  # what the agent passes
     try:
-        with _Ticker() as t:
+        with GilTicker() as t:
             name = w.write(src)
         assert t.gap < GIL_GAP_S, f"a fresh 1 GB write kept the GIL for {t.gap:.2f} s"
         # the reader maps in O(1) on its I/O thread (MAP_POPULATE took 78 ms for 1 GB)
-        with _Ticker() as t:
+        with GilTicker() as t:
             took = []
             for _ in range(3):
                 t0 = time.perf_counter()
@@ -133,7 +109,7 @@ def test_a_1gb_segment_is_written_and_read_with_the_gil_free() -> None:
         assert t.gap < GIL_GAP_S, f"reading 1 GB kept the GIL for {t.gap:.2f} s"
         shm._give_back(name)
         w._copy = shm.plain_copy  # the default, sliced copy
-        with _Ticker() as t:
+        with GilTicker() as t:
             assert w.write(src) == name and w.reused == 1
         assert t.gap < GIL_GAP_S, f"a reused 1 GB write kept the GIL for {t.gap:.2f} s"
     finally:

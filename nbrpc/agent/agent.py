@@ -861,7 +861,7 @@ class Agent:
 
     # -- failure detection (on the I/O thread) ---------------------------------
     def _tick(self) -> None:
-        if self.state in ("stopped", "failed"):
+        if self.state == "stopped":
             return
         opts = self.options
         self.io.call_later(opts.heartbeat_interval, self._tick)

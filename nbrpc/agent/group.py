@@ -84,8 +84,6 @@ class Coordinator:
     def complete(self) -> bool:
         """Whether joiners are answered: the static group has formed (it may have
         lost members since), or the group is dynamic."""
-        if not self.formed and len(self.members) == self.world_size:
-            self.formed = True
         return self.formed
 
     def table(self) -> tuple[Member, ...]:
@@ -102,6 +100,7 @@ class Coordinator:
         rejoin = self.members.get(m.rank)
         self.members[m.rank] = m
         self.last_seen.pop(m.rank, None)  # watched once the group is formed
+        self.formed = self.formed or len(self.members) == self.world_size
         if self.world_size is not None:  # static: everyone hears once all are in
             if not self.complete:
                 return []

@@ -38,7 +38,7 @@ def start_agent(names: dict[str, int], fallback: str, coordinator: str, key: byt
     if name not in names:
         name = fallback
     rank = names[name]
-    if _agent and _agent[0].state not in ("stopped", "failed"):
+    if _agent and _agent[0].state != "stopped":
         _agent[0].shutdown(graceful=False)
     _agent.clear()
     if _Default.agent is not None:  # e.g. a user's own init_rpc on this engine

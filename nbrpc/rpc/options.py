@@ -72,11 +72,7 @@ class TensorPipeRpcBackendOptions(RpcBackendOptions):
         self.num_worker_threads = int(num_worker_threads)
         self.failure_timeout = None if failure_timeout is None else _seconds(
             failure_timeout, "failure_timeout")
-        if max_message_size is not None and (not isinstance(max_message_size, int)
-                                             or max_message_size < 1 << 20):
-            raise ValueError(f"max_message_size must be an int of at least 1 MiB (1 << 20), "
-                             f"got {max_message_size!r}")
-        self.max_message_size = max_message_size
+        self.max_message_size = max_message_size  # (checked with the agent's options)
         self.encrypt = encrypt
         if device_maps:
             _refuse_devices()
