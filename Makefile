@@ -47,7 +47,7 @@ test: $(STAMP) browser-deps
 	$(PYTEST) $(NBVAL) notebooks/
 
 test-fast: $(STAMP)
-	$(PYTEST) -m "not multiprocess and not torch_rpc and not cluster and not netns and not browser and not faults"
+	$(PYTEST) -m "not multiprocess and not torch_rpc and not cluster and not netns and not browser and not faults and not binder"
 
 test-notebooks: $(STAMP)
 	$(PYTEST) $(NBVAL) notebooks/

@@ -45,3 +45,20 @@ def test_rnn_over_a_parameter_server_learns_the_corpus() -> None:
     out = _run("03_rnn_parameter_server.py", "--epochs", "3")
     m = re.search(r"(\d+) iterations: loss ([\d.]+) -> ([\d.]+)", out)
     assert m and int(m[1]) == 90 and float(m[3]) < float(m[2]) * 0.6, out
+
+
+def test_rl_observers_reach_the_reward_threshold() -> None:
+    out = _run("02_rl_observers.py", "--world-size", "3", "--reward-threshold", "60",
+               "--max-episodes", "100")
+    m = re.search(r"Solved! Running reward is now ([\d.]+) after (\d+) episodes", out)
+    assert m and float(m[1]) > 60 and int(m[2]) <= 100, out
+
+
+def test_batch_rpc_runs_batched_and_unbatched_and_learns() -> None:
+    out = _run("05_batch_rpc.py", "--world-sizes", "3", "--num-episode", "8",
+               "--num-steps", "100", "--print-log")
+    assert re.search(r"^3, [\d.]+, [\d.]+$", out, re.M), out
+    runs = re.split(r"^Episode 0\t", out, flags=re.M)[1:]
+    assert len(runs) == 2, out            # one training log per mode, batched first
+    batched = [float(r) for r in re.findall(r"Average reward: ([\d.]+)", runs[0])]
+    assert len(batched) == 8 and batched[-1] > batched[0], out
