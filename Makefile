@@ -19,7 +19,7 @@ NBVAL  := --nbval --nbval-current-env --nbval-sanitize-with notebooks/nbval_sani
 CHROMIUM ?= /usr/bin/chromium
 PYTEST   := $(PY) -m pytest -q -rs
 
-.PHONY: lab test test-fast test-notebooks test-browser screenshots browser-deps lint bench clean
+.PHONY: lab test test-fast test-notebooks test-torch-suites test-browser screenshots browser-deps lint bench clean
 
 # $(call install,EXTRAS): the environment, torch first (pinned: an unpinned torch
 # would pull gigabytes of CUDA packages), then nbrpc with EXTRAS.
@@ -47,10 +47,15 @@ test: $(STAMP) browser-deps
 	$(PYTEST) $(NBVAL) notebooks/
 
 test-fast: $(STAMP)
-	$(PYTEST) -m "not multiprocess and not torch_rpc and not cluster and not netns and not browser and not faults and not binder"
+	$(PYTEST) -m "not multiprocess and not torch_rpc and not cluster and not netns and not browser and not faults and not binder and not torch_suites"
 
 test-notebooks: $(STAMP)
 	$(PYTEST) $(NBVAL) notebooks/
+
+# PyTorch's own RPC test suites against nbrpc (tests/torch_suites.py says which);
+# NBRPC_TORCH_SUITES=all runs the excluded and known-failing ones too.
+test-torch-suites: $(STAMP)
+	$(PYTEST) tests/test_torch_suites.py
 
 # The widgets in JupyterLab + Chromium only (tutorials 07, 08 and tests/browser/*.ipynb).
 test-browser: $(STAMP) browser-deps

@@ -31,10 +31,12 @@ class NbrpcError(RuntimeError):
 
 class NotInitializedError(NbrpcError):
     def __init__(self, what: str = "this call") -> None:
+        # PyTorch's two phrases: its Python API says the first, RRef() the second.
+        head = ("Current RPC agent is not set! Did you initialize the RPC framework?"
+                if what.startswith("RRef") else "RPC has not been initialized.")
         super().__init__(
-            f"RPC has not been initialized, so {what} cannot run. "
-            "Call nbrpc.rpc.init_rpc(name, rank=..., world_size=...) first "
-            "(in a notebook: %rpc_cluster start N)."
+            f"{head} {what} needs an agent: call nbrpc.rpc.init_rpc(name, rank=..., "
+            "world_size=...) first (in a notebook: %rpc_cluster start N)."
         )
 
 
@@ -52,9 +54,14 @@ class UnknownWorkerError(NbrpcError, KeyError):
     def __init__(self, dest: object, known: Iterable[str]) -> None:
         self.dest = dest
         self.known = sorted(known)
-        what = f"named {dest!r}" if isinstance(dest, str) else f"with rank {dest!r}"
-        NbrpcError.__init__(
-            self, f"No worker {what}; known: {', '.join(self.known) or '(none)'}"
+        name = dest if isinstance(dest, str) else getattr(dest, "name", None)  # or a WorkerInfo
+        if isinstance(name, str):
+            what, has = f"name {name!r}", "that name"
+        else:
+            what, has = f"id {dest!r}", "that rank"
+        NbrpcError.__init__(  # PyTorch's phrase first: code matches on it
+            self, f"could not find destination {what}: no worker in the group has {has}; "
+            f"known: {', '.join(self.known) or '(none)'}"
         )
 
     def __str__(self) -> str:  # KeyError would otherwise quote the message

@@ -456,14 +456,22 @@ def is_training(rref: RRef) -> bool:
 def test_rref_backward(group, mode: str) -> None:
     wb = remote("b", make_param, (1, 3))
     loss = wb.remote().sum()
-    if mode == "local":
-        loss.backward()
+    if mode == "local":  # as PyTorch: only the owner runs a local backward
+        with pytest.raises(RuntimeError, match="User RRefs require 'dist_autograd_ctx_id'"):
+            loss.backward()
+        assert rpc_sync("b", grad_of_value, (wb,)) is None
+        rpc_sync("b", backward_on_owner, (loss,))
         assert torch.equal(rpc_sync("b", grad_of_value, (wb,)), torch.ones(3))
         return
     with dist_autograd.context() as ctx:
         loss.backward(ctx)
         assert torch.equal(rpc_sync("b", grad_here, (ctx, wb)), torch.ones(3))
         assert rpc_sync("b", grad_of_value, (wb,)) is None
+
+
+def backward_on_owner(rref: RRef) -> None:
+    assert rref.is_owner()
+    rref.backward()
 
 
 def grad_of_value(rref: RRef) -> torch.Tensor | None:

@@ -27,17 +27,35 @@ def test_static_group_answers_everyone_once_complete() -> None:
     assert all(isinstance(msg, Members) and len(msg.members) == 3 for _, msg in out)
 
 
-def test_duplicate_name_and_rank_are_refused_with_a_reason() -> None:
+def _refusal(join: Join) -> tuple[int, str]:
+    """Who the first answer goes to, and its error, once "a" (rank 0) has joined."""
     c = Coordinator(3)
     c.on_join(Join(m("a", 0), 3))
-    [(rank, reply)] = c.on_join(Join(m("a", 1), 3))
-    assert rank == 1 and "name 'a' is taken" in reply.error
-    [(_, reply)] = c.on_join(Join(m("z", 0), 3))
-    assert "rank 0 is taken" in reply.error
-    [(_, reply)] = c.on_join(Join(m("q", 7), 3))
-    assert "outside 0..2" in reply.error
-    [(_, reply)] = c.on_join(Join(m("w", 1), 4))
-    assert "world_size=4" in reply.error
+    rank, reply = c.on_join(join)[0]
+    return rank, reply.error
+
+
+def test_duplicate_name_and_rank_are_refused_with_a_reason() -> None:
+    rank, error = _refusal(Join(m("a", 1), 3))
+    assert rank == 1 and "Worker name 'a' is not unique" in error
+    assert "taken by rank 0" in error
+    assert "rank 0 is taken" in _refusal(Join(m("z", 0), 3))[1]
+    assert "outside 0..2" in _refusal(Join(m("q", 7), 3))[1]
+    assert "world_size=4" in _refusal(Join(m("w", 1), 4))[1]
+
+
+def test_a_refusal_fails_the_static_group_for_every_rank() -> None:
+    """As PyTorch's init_rpc, every rank fails, not only the refused one: those
+    that joined hear it at once, those that join later on joining."""
+    c = Coordinator(3)
+    c.on_join(Join(m("a", 0), 3))
+    out = c.on_join(Join(m("a", 1), 3))
+    assert [r for r, _ in out] == [1, 0]
+    assert c.failed and "a worker tried to join and was refused" in c.failed
+    assert "is not unique" in c.failed and out[1][1] == Members((), c.failed)
+    assert not c.everyone_told
+    assert c.on_join(Join(m("c", 2), 3)) == [(2, Members((), c.failed))]
+    assert c.everyone_told and list(c.members) == [0]
 
 
 def test_dynamic_group_join_and_leave() -> None:

@@ -59,7 +59,7 @@ from .asyncfn import check_future, is_async
 from .events import EventLog
 from .faults import FaultPlan
 from .futures import RpcFuture, outcome
-from .group import Coordinator, WorkerInfo
+from .group import Coordinator, WorkerInfo, check_worker_name
 from .messages import (
     CONTROL,
     INLINE,
@@ -245,7 +245,7 @@ class Agent:
         world_size: int | None,
         options: AgentOptions | None = None,
     ) -> None:
-        _check_name(name)
+        check_worker_name(name)  # as WorkerInfo does, before anything starts
         if not isinstance(rank, int) or isinstance(rank, bool) or rank < 0:
             raise ValueError(f"rank must be a non-negative int, got {rank!r}")
         self.name, self.rank, self.world_size = name, rank, world_size
@@ -340,6 +340,9 @@ class Agent:
     def fail_join(self, timeout: float) -> None:
         """Stop, and raise the error for a join that did not complete in time."""
         self._stop_local()
+        if self._join_error:  # the group failed, and some rank never came to hear it
+            raise RendezvousError(f"{self._join_error} (and not every rank joined within "
+                                  f"{timeout:g} s to be told so)")
         missing = ""
         if self._coordinator is not None and self.world_size is not None:
             have = sorted(self._coordinator.members)
@@ -837,14 +840,19 @@ class Agent:
         if refusal is not None:
             log.error("nbrpc coordinator %r refused %r (rank %d): %s", self.name, m.name,
                       m.rank, refusal)
-            if self.world_size is not None and self.state == "joining":
-                self._join_error = f"a worker tried to join and was refused: {refusal}"
-                self._joined.set()  # rank 0's init_rpc fails now, not at its timeout
             if holder is not None:  # its rank is a member's: the refusal cannot reach it
-                out = []
+                out = out[1:]  # (what follows tells the group, the holder included)
+        failed = self._coordinator.failed
+        if failed is not None and self.world_size is not None and self.state == "joining":
+            # the static group cannot form: every rank's init_rpc fails, not at its
+            # timeout; rank 0's once all the others have been told (they join to hear it)
+            self._join_error = failed
+            out = [(r, msg) for r, msg in out if r != self.rank]
         if m.rank != self.rank and (refusal is None or holder is None):
             self.io.set_address(m.rank, m.address)
         self._dispatch(out)
+        if self._join_error and self._coordinator.everyone_told:
+            self._joined.set()  # (after the sends: init_rpc stops the agent on waking)
         if (self.world_size is None and m.rank != self.rank
                 and self._coordinator.members.get(m.rank) == m):
             # dynamic group: the coordinator is a member too (it calls the
@@ -1072,12 +1080,3 @@ def _check_options(opts: AgentOptions) -> None:
     if not isinstance(opts.max_message_size, int) or opts.max_message_size < 1 << 20:
         raise ValueError(f"max_message_size must be an int of at least 1 MiB, got "
                          f"{opts.max_message_size!r}")
-
-
-def _check_name(name: Any) -> None:
-    if not isinstance(name, str) or not name:
-        raise ValueError(f"a worker name must be a non-empty string, got {name!r}")
-    if len(name) > 128 or not all(c.isalnum() or c in "_-.:" for c in name):
-        raise ValueError(
-            f"worker name {name!r} may contain only letters, digits and _ - . : "
-            "(at most 128 characters)")

@@ -34,6 +34,7 @@ the calls that failed meanwhile, never the membership.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,10 +48,38 @@ from .messages import (
     Members,
 )
 
+MAX_NAME_LEN = 128  # a name is shorter than this, as in PyTorch
+_NAME = re.compile(r"[A-Za-z0-9_\-:]+")
+
+
+def check_worker_name(name: Any) -> None:
+    """Refuse a worker name PyTorch's ``WorkerInfo`` refuses (``RuntimeError``).
+
+    >>> check_worker_name("worker-1:a_b")
+    >>> check_worker_name("w.1")  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    RuntimeError: Worker name must match ^[A-Za-z0-9-_:]*$, ... but got 'w.1': use only ...
+    """
+    if isinstance(name, str) and len(name) < MAX_NAME_LEN and _NAME.fullmatch(name):
+        return
+    if not isinstance(name, str):
+        got, why = type(name).__name__, "a worker name is a string"
+    elif not name:
+        got, why = "''", "give each worker a name"
+    elif len(name) >= MAX_NAME_LEN:
+        got, why = f"{name[:20]!r}... ({len(name)} chars)", "use a shorter name"
+    else:
+        got, why = repr(name), "use only ASCII letters, digits, '_', '-' and ':'"
+    raise RuntimeError(
+        "Worker name must match ^[A-Za-z0-9-_:]*$, and must be non-empty and shorter than "
+        f"{MAX_NAME_LEN} chars, but got {got}: {why}.")
+
 
 @dataclass(frozen=True, slots=True)
 class WorkerInfo:
     """A member of the group: its unique ``name`` and its ``id`` (= rank).
+
+    The name is checked as PyTorch checks it (:func:`check_worker_name`).
 
     >>> WorkerInfo("worker1", 1)
     WorkerInfo(id=1, name=worker1)
@@ -58,6 +87,9 @@ class WorkerInfo:
 
     name: str
     id: int
+
+    def __post_init__(self) -> None:
+        check_worker_name(self.name)
 
     def __repr__(self) -> str:  # same text as torch.distributed.rpc.WorkerInfo
         return f"WorkerInfo(id={self.id}, name={self.name})"
@@ -79,6 +111,11 @@ class Coordinator:
         self._reports: dict[int, dict[int, DrainReport]] = {}
         self._last_sums: tuple[int, int] | None = None
         self.formed = world_size is None  # a static group once all had joined
+        # A static group that cannot form (a joiner was refused before it formed):
+        # why, and the ranks told so. Every later joiner is told too, so that every
+        # rank's init_rpc fails at once (as PyTorch's, which checks all names together).
+        self.failed: str | None = None
+        self.told: set[int] = set()
 
     @property
     def complete(self) -> bool:
@@ -91,12 +128,20 @@ class Coordinator:
 
     def on_join(self, join: Join) -> Outbox:
         m = join.member
+        if self.failed is not None:
+            self.told.add(m.rank)
+            return [(m.rank, Members((), self.failed))]
         self.left.discard(m.rank)
         if self.members.get(m.rank) == m:  # a member that thought it was dropped
             return [(m.rank, Members(self.table()))] if self.complete else []
         error = self._check(m, join.world_size)
         if error:
-            return [(m.rank, Members((), error))]
+            out: Outbox = [(m.rank, Members((), error))]
+            if self.world_size is not None and not self.formed:
+                self.failed = f"a worker tried to join and was refused: {error}"
+                self.told |= {m.rank, *self.members}
+                out += [(r, Members((), self.failed)) for r in self.members]
+            return out
         rejoin = self.members.get(m.rank)
         self.members[m.rank] = m
         self.last_seen.pop(m.rank, None)  # watched once the group is formed
@@ -106,10 +151,17 @@ class Coordinator:
                 return []
             table = self.table()
             return [(r, Members(table)) for r in self.members]
-        out: Outbox = [(m.rank, Members(self.table()))]
+        out = [(m.rank, Members(self.table()))]
         if rejoin is None or rejoin != m:
             out += [(r, MemberJoined(m)) for r in self.members if r not in (m.rank, 0)]
         return out
+
+    @property
+    def everyone_told(self) -> bool:
+        """The static group failed and every rank has been told so."""
+        if self.failed is None or self.world_size is None:
+            return False
+        return len({r for r in self.told if 0 <= r < self.world_size}) == self.world_size
 
     def _check(self, m: Member, world_size: int | None) -> str | None:
         if world_size != self.world_size:
@@ -120,8 +172,8 @@ class Coordinator:
                     "ranks must be unique and below world_size.")
         for other in self.members.values():
             if other.name == m.name and other.rank != m.rank:
-                return (f"the name {m.name!r} is taken by rank {other.rank}; "
-                        "every worker needs a unique name.")
+                return (f"Worker name {m.name!r} is not unique: the name is taken by rank "
+                        f"{other.rank}; every worker needs a unique name.")
             if other.rank == m.rank and other.name != m.name:
                 return (f"rank {m.rank} is taken by {other.name!r}; "
                         "every worker needs a unique rank.")

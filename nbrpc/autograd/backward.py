@@ -100,26 +100,50 @@ class GraphQuery:
 
 
 # -- checks -------------------------------------------------------------------------
+_SIGNATURE = "(context_id: int, roots: list[Tensor], retain_graph: bool = False)"
+
+
+def check_context_id(context_id: Any, what: str = "backward") -> int:
+    """``context_id`` as an int, or ``TypeError`` as PyTorch's binding raises it."""
+    if isinstance(context_id, bool) or not isinstance(context_id, int):
+        raise TypeError(
+            f"{what}(): incompatible function arguments: expected {_SIGNATURE}, got "
+            f"context_id={context_id!r}. Pass the id from `with nbrpc.autograd.context() as "
+            "context_id:`.")
+    return context_id
+
+
 def check_roots(roots: Any, received: Any = None) -> list[torch.Tensor]:
     """The roots as PyTorch checks them; ``received(t)``: ``t`` arrived in this
-    context (a leaf here, where PyTorch has a RecvRpcBackward; also a valid root)."""
+    context (a leaf here, where PyTorch has a RecvRpcBackward; also a valid root).
+
+    >>> check_roots(None)  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    TypeError: backward(): incompatible function arguments: ... got roots=None. ...
+    """
     if isinstance(roots, torch.Tensor):
         roots = [roots]
+    if roots is None or isinstance(roots, (str, bytes)) or not hasattr(roots, "__iter__"):
+        raise TypeError(
+            f"backward(): incompatible function arguments: expected {_SIGNATURE}, got "
+            f"roots={roots!r:.60}. Pass a list of scalar tensors, e.g. [loss].")
     roots = list(roots)
     if not roots:
         raise RuntimeError("No tensors provided for gradient computation: pass the "
                            "roots, e.g. backward(context_id, [loss])")
     for r in roots:
         if not isinstance(r, torch.Tensor):
-            raise TypeError(f"roots must be tensors, got {type(r).__name__}")
+            raise TypeError(
+                f"backward(): incompatible function arguments: roots must be tensors, got a "
+                f"{type(r).__name__}. Pass a list of scalar tensors, e.g. [loss].")
         if not r.requires_grad:
             raise RuntimeError("requires_grad not set on root: the loss does not depend on "
                                "any tensor that requires grad")
         if r.numel() != 1:
-            raise RuntimeError(f"a root of shape {list(r.shape)} is not a scalar; all roots "
-                               "need to be scalars (call .sum() or .mean() on it)")
+            raise RuntimeError(f"The root of shape {list(r.shape)} is not a scalar, all roots "
+                               "need to be scalar: call .sum() or .mean() on it")
         if r.grad_fn is None and not (received is not None and received(r)):
-            raise RuntimeError("a root does not have a valid gradient function (it is a "
+            raise RuntimeError("A root does not have a valid gradient function (it is a "
                                "leaf); compute the loss from it first")
     return roots
 
@@ -281,7 +305,7 @@ def run_backward(agent: Agent, ctx_id: int, roots: Any, retain_graph: bool = Fal
     its credit on, split among the gradients it sends, or returns it to this
     worker when it sends none. All of it back means every stage has run."""
     contexts = contexts_of(agent)
-    ctx = contexts.get(ctx_id)
+    ctx = contexts.get(check_context_id(ctx_id))
     roots = check_roots(roots, ctx.received)
     pass_id = (agent.rank, next(_pass_ids))
     lp = ctx.new_pass(agent.name, pass_id, retain_graph, roots=roots)

@@ -161,9 +161,9 @@ class Contexts(Propagator):
     def context(self) -> Iterator[int]:
         if getattr(_thread, "active", None) is not None:
             raise RuntimeError(
-                f"Already have an autograd context id ({_thread.active[1]}) for this "
-                "thread: distributed autograd contexts cannot be nested. Leave the "
-                "current `with nbrpc.autograd.context()` block first.")
+                "Already have an autograd context id for this thread (id "
+                f"{_thread.active[1]}): distributed autograd contexts cannot be nested. "
+                "Leave the current `with nbrpc.autograd.context()` block first.")
         ctx = AutogradContext(self.new_id())
         with self._lock:
             self.contexts[ctx.id] = ctx

@@ -21,6 +21,7 @@ from .backward import (
     GraphQuery,
     _pass_ids,
     abort_everywhere,
+    check_context_id,
     check_roots,
     graph_data,
     run_stage,
@@ -64,7 +65,7 @@ class BackwardStepper:
     def __init__(self, agent: Agent, ctx_id: int, roots: Any,
                  retain_graph: bool = False) -> None:
         self._agent = agent
-        self._ctx = contexts_of(agent).get(ctx_id)
+        self._ctx = contexts_of(agent).get(check_context_id(ctx_id, "backward_stepper"))
         self.roots = check_roots(roots, self._ctx.received)
         self.context_id, self.retain_graph = ctx_id, retain_graph
         self.pass_id = (agent.rank, next(_pass_ids))

@@ -8,8 +8,11 @@ import torch
 from torch import nn
 
 from ..agent import current_agent
+from ..agent.agent import Wire
+from ..errors import NbrpcError
 from ..rpc.api import remote, rpc_sync
 from ..rref import RRef
+from ..serialize import current_context
 
 # Methods of nn.Module that would act on the (empty) local shell, not the
 # remote module: they raise, as in PyTorch's RemoteModule.
@@ -111,6 +114,15 @@ class RemoteModule(nn.Module):
 
     def get_module_rref(self) -> RRef:
         return self.module_rref
+
+    def __reduce_ex__(self, protocol: int) -> Any:
+        if not isinstance(current_context(), Wire):  # PyTorch's text first
+            raise NbrpcError(
+                "Cannot pickle RemoteModule in python pickler. RemoteModule can only be "
+                f"pickled when using RPC: this one holds the module on {self.on!r} through an "
+                "RRef, which only an RPC can hand over. Send it as an argument or result of "
+                "rpc_sync/rpc_async/remote, or save get_module_rref().to_here().")
+        return super().__reduce_ex__(protocol)
 
     def train(self, mode: bool = True) -> RemoteModule:
         rpc_sync(self.on, _set_training, (self.module_rref, mode))

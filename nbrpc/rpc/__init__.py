@@ -15,6 +15,7 @@ from .api import (
     get_rpc_timeout,
     get_worker_info,
     init_rpc,
+    is_available,
     remote,
     rpc_async,
     rpc_sync,
@@ -29,5 +30,5 @@ from .options import (
 __all__ = [
     "BackendType", "RRef", "RemoteError", "api", "RpcBackendOptions", "RpcFuture",
     "TensorPipeRpcBackendOptions", "WorkerInfo", "functions", "get_rpc_timeout",
-    "get_worker_info", "init_rpc", "remote", "rpc_async", "rpc_sync", "shutdown",
+    "get_worker_info", "init_rpc", "is_available", "remote", "rpc_async", "rpc_sync", "shutdown",
 ]

@@ -20,7 +20,7 @@ from ..errors import AlreadyInitializedError, RendezvousError
 from ..rref import RRef
 from ..rref import remote as _remote
 from . import rendezvous
-from .options import UNSET_RPC_TIMEOUT, BackendType, read_options
+from .options import UNSET_RPC_TIMEOUT, BackendType, check_backend, read_options
 
 log = logging.getLogger(__name__)
 _init_lock = threading.Lock()
@@ -45,6 +45,7 @@ def init_rpc(
     7
     >>> shutdown()
     """
+    check_backend(backend, rpc_backend_options)
     if backend is not None and getattr(backend, "name", None) not in ("TENSORPIPE", "NBRPC"):
         raise ValueError(f"backend {backend!r} is not supported; nbrpc accepts "
                          f"{BackendType.TENSORPIPE} (or None)")
@@ -231,6 +232,17 @@ def get_worker_info(worker_name: str | None = None) -> WorkerInfo:
         return agent.info
     m = agent.resolve(worker_name)
     return WorkerInfo(m.name, m.rank)
+
+
+def is_available() -> bool:
+    """Whether the RPC framework can be used: always, with nbrpc (PyTorch's
+    answers ``False`` in builds without distributed support; ``torch.jit``
+    asks it while compiling code that mentions RPC).
+
+    >>> is_available()
+    True
+    """
+    return True
 
 
 def get_rpc_timeout() -> float:

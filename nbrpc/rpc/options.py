@@ -102,6 +102,45 @@ def _seconds(value: Any, name: str) -> float:
     return seconds
 
 
+def _named_in_mro(obj: Any, name: str) -> bool:
+    """Whether ``obj``'s class is or derives from a class called ``name``: ours,
+    or PyTorch's (checked by name, so that torch's RPC module is not imported)."""
+    return any(c.__name__ == name for c in type(obj).__mro__)
+
+
+def check_backend(backend: Any, opts: Any) -> None:
+    """Refuse what ``torch.distributed.rpc.init_rpc`` refuses, with its exception
+    types: a backend that is not a ``BackendType`` member (``TypeError``; ours or
+    PyTorch's; nbrpc runs every one as its ZeroMQ backend), options that are not
+    ``RpcBackendOptions`` (``TypeError``), and, with no backend, options from
+    which no backend can be inferred (``TypeError``).
+
+    >>> check_backend(BackendType.TENSORPIPE, TensorPipeRpcBackendOptions())
+    >>> check_backend(None, None)
+    >>> check_backend("TENSORPIPE", None)  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    TypeError: Argument backend must be a member of BackendType, but got 'TENSORPIPE' ...
+    """
+    if backend is not None and not (isinstance(backend, enum.Enum)
+                                    and type(backend).__name__ == "BackendType"):
+        raise TypeError(
+            f"Argument backend must be a member of BackendType, but got {backend!r} "
+            f"({type(backend).__name__}): pass backend={BackendType.__name__}.TENSORPIPE "
+            "(nbrpc's or torch.distributed.rpc's), or leave it out.")
+    if opts is None:
+        return
+    if not _named_in_mro(opts, "RpcBackendOptions"):
+        raise TypeError(
+            "Argument rpc_backend_options must be an instance of RpcBackendOptions, but got "
+            f"a {type(opts).__name__}: pass TensorPipeRpcBackendOptions(init_method=..., "
+            "...) instead.")
+    if backend is None and not _named_in_mro(opts, "TensorPipeRpcBackendOptions"):
+        raise TypeError(
+            f"Could not infer backend for options {type(opts).__name__}: nbrpc's backend "
+            "takes TensorPipeRpcBackendOptions (nbrpc's or torch.distributed.rpc's); pass "
+            "those, or pass backend=BackendType.TENSORPIPE explicitly.")
+
+
 def read_options(opts: Any) -> dict[str, Any]:
     """What an agent takes from ours or torch's options (and the environment).
 

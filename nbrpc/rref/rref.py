@@ -105,7 +105,7 @@ class RRef(Generic[T]):
     >>> shutdown()
     """
 
-    __slots__ = ("_agent", "_ctx", "_id", "_fork", "_owner", "_site", "__weakref__")
+    __slots__ = ("_agent", "_ctx", "_id", "_fork", "_owner", "_site", "_attrs", "__weakref__")
 
     def __init__(self, value: T, type_hint: Any = None) -> None:
         agent = current_agent("RRef(value)")
@@ -125,6 +125,7 @@ class RRef(Generic[T]):
                fork: ForkId | None = None) -> Any:
         ctx: RRefContext = agent.ext["rref"]
         self._agent, self._ctx, self._owner, self._site, self._id = agent, ctx, owner, site, rref_id
+        self._attrs: set[str] = set()  # names the value is known to have (remote() proxy)
         ctx.live.add(self)
         if owner == agent.rank:
             self._fork = None
@@ -169,10 +170,12 @@ class RRef(Generic[T]):
     # -- values ----------------------------------------------------------------
     def local_value(self) -> T:
         """The value itself; only on the owner."""
-        if not self.is_owner():
+        if not self.is_owner():  # PyTorch's text first: code matches on it
             raise NbrpcError(
-                f"local_value() works only on the owner ({self.owner_name()!r}); this RRef "
-                f"is a user copy on {self._agent.name!r}. Call to_here() instead.")
+                f"For UserRRef(rref_id={self._id.as_torch()}, fork_id={self._fork.as_torch()}), "
+                f"can't call localValue() on user {self._agent.info!r}. Call it on owner "
+                f"{self.owner()!r}: local_value() works only on the owner of RRef {self._id}; "
+                "here, call to_here() to copy the value instead.")
         return wait_result(self._ctx.entry(self._id).value)
 
     def to_here(self, timeout: float = -1.0) -> T:
@@ -212,11 +215,24 @@ class RRef(Generic[T]):
         distributed backward pass in that context starts on the owner; with -1,
         a local ``value.backward()`` runs there (gradients in ``.grad``)."""
         args = (self._id, dist_autograd_ctx_id, retain_graph)
+        if dist_autograd_ctx_id == -1 and not self.is_owner():
+            raise NbrpcError(
+                "User RRefs require 'dist_autograd_ctx_id' to be specified: RRef "
+                f"{self._id} is a user copy, and a local backward would run on its owner "
+                f"{self.owner_name()!r}, away from this worker's graph. Call it inside "
+                "`with nbrpc.autograd.context() as context_id:` as rref.backward(context_id).")
         if self.is_owner():
             _backward_on_owner(*args)
             return
         self._check_owner()
         self._agent.rpc_async(self._owner, _backward_on_owner, args, keep=self).wait()
+
+    def __str__(self) -> str:
+        """PyTorch's form: ``OwnerRRef(GloballyUniqueId(...))`` or
+        ``UserRRef(RRefId = ..., ForkId = ...)`` (``repr`` says more)."""
+        if self.is_owner():
+            return f"OwnerRRef({self._id.as_torch()})"
+        return f"UserRRef(RRefId = {self._id.as_torch()}, ForkId = {self._fork.as_torch()})"
 
     def __repr__(self) -> str:
         role = "owner" if self.is_owner() else f"user fork {self._fork}"
@@ -229,8 +245,9 @@ class RRef(Generic[T]):
 # -- forking: how an RRef pickles ---------------------------------------------------
 def _reduce_rref(rref: RRef) -> tuple:
     wire = current_context()
-    if not isinstance(wire, Wire):
+    if not isinstance(wire, Wire):  # PyTorch's text first: code matches on it
         raise NbrpcError(
+            f"Can not pickle rref in python pickler, rref can only be pickled when using RPC: "
             f"{rref!r} can only be pickled inside an RPC (as an argument or a result of "
             "rpc_sync/rpc_async/remote), where the receiver registers its copy with the "
             "owner. To save the value, pickle rref.to_here() instead.")
@@ -291,6 +308,12 @@ class _Proxy:
             pending = not rref.is_owner() and rref._state() == PENDING
             call_args = (rref._id, name, args, kwargs, pending, limit)
             if how == "remote":  # (keep: no Delete may overtake the call)
+                # As PyTorch: a missing method raises here, not later in to_here().
+                # It waits for the value, once per RRef and name.
+                if name not in rref._attrs:
+                    agent.rpc_async(rref._owner, _attribute_on_owner, call_args[:2] + call_args[4:],
+                                    timeout=timeout, keep=rref).wait()
+                    rref._attrs.add(name)
                 return remote(agent, rref._owner, _call_method_on_owner, call_args, {},
                               timeout, keep=rref)
             fut = agent.rpc_async(rref._owner, _call_method_on_owner, call_args,
@@ -299,6 +322,44 @@ class _Proxy:
 
         invoke.__name__ = name
         return invoke
+
+
+def _get_attribute(rref_id: RRefId, obj: Any, name: str) -> Any:
+    """``getattr(obj, name)``; a missing attribute says which RRef and worker."""
+    try:
+        return getattr(obj, name)
+    except AttributeError as e:  # Python's text first ("... has no attribute 'x'")
+        raise AttributeError(
+            f"{e} (the value of RRef {rref_id} on its owner {current_agent().name!r} is a "
+            f"{type(obj).__qualname__}; check the method name)") from None
+
+
+def _attribute_on_owner(rref_id: RRefId, name: str, may_overtake: bool = False,
+                        timeout: float = 0.0) -> Any:
+    """Runs on the owner: None once the value exists and has ``name``, else
+    ``AttributeError`` (answered through a future, as :func:`_call_method_on_owner`)."""
+    agent = current_agent()
+    out: torch.futures.Future = torch.futures.Future()
+
+    def run(value_fut: torch.futures.Future) -> None:
+        obj, error = outcome(value_fut)
+        try:
+            if error is not None:
+                raise error
+            _get_attribute(rref_id, obj, name)
+            out.set_result(None)
+        except BaseException as e:
+            out.set_exception(detach(e))
+
+    value = agent.ext["rref"].value_future(rref_id, may_overtake, timeout)
+    if value.done():
+        run(value)
+    else:
+        value.add_done_callback(lambda f: agent.pool.submit(run, f))
+    return out
+
+
+mark_async(_attribute_on_owner)
 
 
 def _call_method_on_owner(rref_id: RRefId, name: str, args: tuple, kwargs: dict,
@@ -315,7 +376,7 @@ def _call_method_on_owner(rref_id: RRefId, name: str, args: tuple, kwargs: dict,
             out.set_exception(error)
             return
         try:
-            method = getattr(obj, name)
+            method = _get_attribute(rref_id, obj, name)
             result = method(*args, **kwargs)
             if is_async(method):
                 check_future(method, result).add_done_callback(lambda f: _settle(out, f))
@@ -338,9 +399,10 @@ mark_async(_call_method_on_owner)
 def _backward_on_owner(rref_id: RRefId, ctx_id: int, retain_graph: bool) -> None:
     agent = current_agent()
     value = wait_result(agent.ext["rref"].entry(rref_id).value)
-    if not isinstance(value, torch.Tensor):
-        raise TypeError(f"RRef.backward needs a tensor value; RRef {rref_id} holds a "
-                        f"{type(value).__name__}")
+    if not isinstance(value, torch.Tensor):  # PyTorch's text and type first
+        raise NbrpcError(f"RRef should contain a tensor for .backward(): RRef {rref_id} on "
+                         f"{agent.name!r} holds a {type(value).__name__}; call backward on "
+                         "an RRef to a scalar tensor (the loss).")
     if ctx_id == -1:
         value.backward(retain_graph=retain_graph)
     else:  # the autograd layer (above this one) installs how to run it

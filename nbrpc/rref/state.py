@@ -56,6 +56,14 @@ class RRefId(NamedTuple):
     def __str__(self) -> str:
         return f"{self.creator}:{self.local}"
 
+    def as_torch(self) -> str:
+        """As PyTorch prints an RRef or fork id (nbrpc's own numbering).
+
+        >>> RRefId(0, 3).as_torch()
+        'GloballyUniqueId(created_on=0, local_id=3)'
+        """
+        return f"GloballyUniqueId(created_on={self.creator}, local_id={self.local})"
+
 
 ForkId = RRefId  # a user copy's id has the same shape
 
@@ -141,7 +149,7 @@ class RRefState:
 
     def __init__(self, rank: int) -> None:
         self.rank = rank
-        self._ids = itertools.count(1)
+        self._ids = itertools.count(0)  # as PyTorch: the first id is local_id=0
         self._lock = threading.RLock()
         self.owned: dict[RRefId, Owned] = {}
         self.users: dict[ForkId, UserFork] = {}
