@@ -52,6 +52,25 @@ def test_strided_view_sends_only_its_elements() -> None:
     assert torch.equal(y, view)
 
 
+def test_non_contiguous_view_keeps_its_layout() -> None:
+    # As PyTorch's RPC (test_non_cont_tensors): only the view's 10 elements travel,
+    # and it arrives with its strides, not contiguous.
+    view = torch.rand(5, 5).narrow(1, 2, 2)
+    y, _, buffers = _roundtrip(view)
+    assert buffers[0].raw().nbytes == view.numel() * 4
+    assert torch.equal(y, view) and y.stride() == view.stride() and not y.is_contiguous()
+    grad_view = torch.rand(4, 6, requires_grad=True)[:, 1:4]
+    z, _, _ = _roundtrip(grad_view)
+    assert z.stride() == grad_view.stride() and z.requires_grad
+
+
+def test_sparse_view_of_a_big_tensor_arrives_contiguous() -> None:
+    # Its layout would need 100x its own elements (4 MB) on arrival: it comes compact.
+    view = torch.rand(10_000, 100)[:, 3]
+    y, _, _ = _roundtrip(view)
+    assert torch.equal(y, view) and y.is_contiguous()
+
+
 def test_same_tensor_twice_is_one_buffer() -> None:
     x = torch.ones(5)
     (a, b), _, buffers = _roundtrip((x, x))

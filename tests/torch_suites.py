@@ -272,8 +272,6 @@ KNOWN_FAILING: dict[str, dict[str, str]] = {
             'AssertionError: False is not true',
         'test_function_not_on_callee':
             "AttributeError: Can't get attribute 'foo_add' on <module 'torch.testing._internal.distributed.rpc.rpc_test' fr",
-        'test_non_cont_tensors':
-            'RuntimeError: Process 0 exited with error code 10 and exception:',
         'test_py_raise_in_user_func':
             'AssertionError: False is not true',
         'test_user_rrefs_confirmed':

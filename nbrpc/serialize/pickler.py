@@ -88,10 +88,25 @@ def _reduce_tensor(t: torch.Tensor) -> tuple:
         arr = data.reshape(-1).view(torch.uint8).numpy() if data.numel() else np.empty(0, np.uint8)
         return _rebuild_torch, (
             pickle.PickleBuffer(arr), t.dtype, tuple(t.shape), requires_grad, is_param, token)
+    strides = None
     if not arr.flags.c_contiguous:
         arr = np.ascontiguousarray(arr)  # only the view's own elements travel
-    return _rebuild_numpy, (
-        pickle.PickleBuffer(arr), arr.dtype.str, arr.shape, requires_grad, is_param, token)
+        strides = _layout_to_restore(t)
+    return _rebuild_numpy, (pickle.PickleBuffer(arr), arr.dtype.str, arr.shape, requires_grad,
+                            is_param, token, strides)
+
+
+def _layout_to_restore(t: torch.Tensor) -> tuple[int, ...] | None:
+    """The strides a non-contiguous tensor gets back on arrival (as PyTorch's RPC
+    keeps them), or None where the layout overlaps itself or would cost more than
+    4x its own elements and over 1 MiB on arrival (a column of a big matrix arrives
+    contiguous)."""
+    shape, stride = t.shape, t.stride()
+    if t.numel() == 0 or any(st <= 0 for n, st in zip(shape, stride) if n > 1):
+        return None
+    span = 1 + sum((n - 1) * st for n, st in zip(shape, stride))
+    small = span * t.element_size() <= 1 << 20
+    return tuple(stride) if span <= 4 * t.numel() or small else None
 
 
 def parallel_copy(dst: memoryview, src: memoryview) -> None:
@@ -117,9 +132,12 @@ def _finish(t: torch.Tensor, requires_grad: bool, is_param: bool, token: Any) ->
 
 
 def _rebuild_numpy(buf: Any, dtype: str, shape: tuple, requires_grad: bool,
-                   is_param: bool, token: Any = None) -> torch.Tensor:
-    arr = np.frombuffer(_writable(buf), dtype=dtype).reshape(shape)
-    return _finish(torch.from_numpy(arr), requires_grad, is_param, token)
+                   is_param: bool, token: Any = None,
+                   strides: tuple[int, ...] | None = None) -> torch.Tensor:
+    t = torch.from_numpy(np.frombuffer(_writable(buf), dtype=dtype).reshape(shape))
+    if strides is not None:  # the sender's layout: a view arrives as a view-shaped tensor
+        t = torch.empty_strided(shape, strides, dtype=t.dtype).copy_(t)
+    return _finish(t, requires_grad, is_param, token)
 
 
 def _rebuild_torch(buf: Any, dtype: torch.dtype, shape: tuple, requires_grad: bool,
