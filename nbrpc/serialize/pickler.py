@@ -98,15 +98,13 @@ def _reduce_tensor(t: torch.Tensor) -> tuple:
 
 def _layout_to_restore(t: torch.Tensor) -> tuple[int, ...] | None:
     """The strides a non-contiguous tensor gets back on arrival (as PyTorch's RPC
-    keeps them), or None where the layout overlaps itself or would cost more than
-    4x its own elements and over 1 MiB on arrival (a column of a big matrix arrives
-    contiguous)."""
+    keeps them), or None where the layout overlaps itself or would take more than
+    4x its own elements on arrival (a column of a matrix arrives contiguous)."""
     shape, stride = t.shape, t.stride()
     if t.numel() == 0 or any(st <= 0 for n, st in zip(shape, stride) if n > 1):
         return None
     span = 1 + sum((n - 1) * st for n, st in zip(shape, stride))
-    small = span * t.element_size() <= 1 << 20
-    return tuple(stride) if span <= 4 * t.numel() or small else None
+    return tuple(stride) if span <= 4 * t.numel() else None
 
 
 def parallel_copy(dst: memoryview, src: memoryview) -> None:
