@@ -43,7 +43,7 @@ lab: $(LAB_STAMP)
 
 test: $(STAMP) browser-deps
 	$(PY) -m ruff check nbrpc tests benchmarks examples
-	$(PYTEST)
+	$(PYTEST) -m "not torch_suites"
 	$(PYTEST) $(NBVAL) notebooks/
 
 test-fast: $(STAMP)
@@ -53,7 +53,9 @@ test-notebooks: $(STAMP)
 	$(PYTEST) $(NBVAL) notebooks/
 
 # PyTorch's own RPC test suites against nbrpc (tests/torch_suites.py says which);
-# NBRPC_TORCH_SUITES=all runs the excluded and known-failing ones too.
+# NBRPC_TORCH_SUITES=all runs the excluded and known-failing ones too. Not yet in
+# `make test`: races in nbrpc's join and graceful shutdown still fail a few of the
+# selected tests in one run in two (issue 14).
 test-torch-suites: $(STAMP)
 	$(PYTEST) tests/test_torch_suites.py
 
