@@ -10,9 +10,8 @@ The public API is nbrpc's. The suites also import, at module level, a few of
 TensorPipe's private helpers (``torch.distributed.rpc.api._use_rpc_pickler``,
 ``.internal.PythonUDF``, ...): those submodules stay PyTorch's own, so the
 imports succeed; the tests that call them are excluded in
-``tests/torch_suites.py``. Two private functions the suites call while setting
-up and waiting (``_rref_context_get_debug_info``, ``_get_debug_info``) are
-answered from nbrpc's own RRef tables.
+``tests/torch_suites.py``. The private function the suites' wait helpers call
+(``_rref_context_get_debug_info``) is answered from nbrpc's own RRef tables.
 
 Never import this in the pytest process itself: it replaces modules for the
 whole interpreter.
@@ -54,17 +53,6 @@ def _rref_context_get_debug_info() -> dict[str, str]:
     }
 
 
-def _get_debug_info() -> dict[str, str]:
-    """The agent's and the RRef context's counters, as ``torch.distributed.rpc._get_debug_info``."""
-    agent = current_agent("_get_debug_info")
-    info = dict(_rref_context_get_debug_info())
-    snap = agent.snapshot(events=0)
-    info["agent.num_pending_requests"] = str(len(snap.get("pending", [])))
-    info["agent.thread_pool_size"] = str(agent.options.num_worker_threads)
-    info["num_current_backward_passes"] = "0"
-    return info
-
-
 def _module(name: str, attrs: dict[str, Any], doc: str) -> types.ModuleType:
     mod = types.ModuleType(name, doc)
     mod.__dict__.update(attrs)
@@ -87,7 +75,8 @@ def install() -> None:
             setattr(rpc, sub, real)
     rpc.functions = nbrpc.rpc.functions
     rpc._rref_context_get_debug_info = _rref_context_get_debug_info
-    rpc._get_debug_info = _get_debug_info
+    # Imported by rpc_test at module level; only excluded tests call it.
+    rpc._get_debug_info = _torch_rpc._get_debug_info
     sys.modules["torch.distributed.rpc"] = rpc
     sys.modules["torch.distributed.rpc.functions"] = nbrpc.rpc.functions
     torch.distributed.rpc = rpc

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import sys
 import weakref
+from collections.abc import Callable
 from typing import Any, Generic, TypeVar
 
 import torch
@@ -334,39 +335,11 @@ def _get_attribute(rref_id: RRefId, obj: Any, name: str) -> Any:
             f"{type(obj).__qualname__}; check the method name)") from None
 
 
-def _attribute_on_owner(rref_id: RRefId, name: str, may_overtake: bool = False,
-                        timeout: float = 0.0) -> Any:
-    """Runs on the owner: None once the value exists and has ``name``, else
-    ``AttributeError`` (answered through a future, as :func:`_call_method_on_owner`)."""
-    agent = current_agent()
-    out: torch.futures.Future = torch.futures.Future()
-
-    def run(value_fut: torch.futures.Future) -> None:
-        obj, error = outcome(value_fut)
-        try:
-            if error is not None:
-                raise error
-            _get_attribute(rref_id, obj, name)
-            out.set_result(None)
-        except BaseException as e:
-            out.set_exception(detach(e))
-
-    value = agent.ext["rref"].value_future(rref_id, may_overtake, timeout)
-    if value.done():
-        run(value)
-    else:
-        value.add_done_callback(lambda f: agent.pool.submit(run, f))
-    return out
-
-
-mark_async(_attribute_on_owner)
-
-
-def _call_method_on_owner(rref_id: RRefId, name: str, args: tuple, kwargs: dict,
-                          may_overtake: bool = False, timeout: float = 0.0) -> Any:
-    """Runs on the owner. Answers through a future: the value may not exist
-    yet (then the method runs on a pool thread once it does, holding no thread
-    meanwhile), and a method marked @async_execution defers the reply."""
+def _on_value(rref_id: RRefId, may_overtake: bool, timeout: float,
+              body: Callable[[Any, torch.futures.Future], None]) -> torch.futures.Future:
+    """Runs on the owner: ``body(value, out)`` once the RRef's value exists (on a
+    pool thread if it had to wait, holding no thread meanwhile); ``body``
+    completes ``out``. The value's error, or one ``body`` raises, fails ``out``."""
     agent = current_agent()
     out: torch.futures.Future = torch.futures.Future()
 
@@ -376,12 +349,7 @@ def _call_method_on_owner(rref_id: RRefId, name: str, args: tuple, kwargs: dict,
             out.set_exception(error)
             return
         try:
-            method = _get_attribute(rref_id, obj, name)
-            result = method(*args, **kwargs)
-            if is_async(method):
-                check_future(method, result).add_done_callback(lambda f: _settle(out, f))
-            else:
-                out.set_result(result)
+            body(obj, out)
         except BaseException as e:
             out.set_exception(detach(e))
 
@@ -391,6 +359,35 @@ def _call_method_on_owner(rref_id: RRefId, name: str, args: tuple, kwargs: dict,
     else:
         value.add_done_callback(lambda f: agent.pool.submit(run, f))
     return out
+
+
+def _attribute_on_owner(rref_id: RRefId, name: str, may_overtake: bool = False,
+                        timeout: float = 0.0) -> Any:
+    """Runs on the owner: None once the value exists and has ``name``, else
+    ``AttributeError``."""
+    def check(obj: Any, out: torch.futures.Future) -> None:
+        _get_attribute(rref_id, obj, name)
+        out.set_result(None)
+
+    return _on_value(rref_id, may_overtake, timeout, check)
+
+
+mark_async(_attribute_on_owner)
+
+
+def _call_method_on_owner(rref_id: RRefId, name: str, args: tuple, kwargs: dict,
+                          may_overtake: bool = False, timeout: float = 0.0) -> Any:
+    """Runs on the owner. Answers through a future: the value may not exist
+    yet, and a method marked @async_execution defers the reply."""
+    def call(obj: Any, out: torch.futures.Future) -> None:
+        method = _get_attribute(rref_id, obj, name)
+        result = method(*args, **kwargs)
+        if is_async(method):
+            check_future(method, result).add_done_callback(lambda f: _settle(out, f))
+        else:
+            out.set_result(result)
+
+    return _on_value(rref_id, may_overtake, timeout, call)
 
 
 mark_async(_call_method_on_owner)
