@@ -43,7 +43,7 @@ lab: $(LAB_STAMP)
 
 test: $(STAMP) browser-deps
 	$(PY) -m ruff check nbrpc tests benchmarks examples
-	$(PYTEST) -m "not torch_suites"
+	$(PYTEST)
 	$(PYTEST) $(NBVAL) notebooks/
 
 test-fast: $(STAMP)
@@ -52,10 +52,9 @@ test-fast: $(STAMP)
 test-notebooks: $(STAMP)
 	$(PYTEST) $(NBVAL) notebooks/
 
-# PyTorch's own RPC test suites against nbrpc (tests/torch_suites.py says which);
-# NBRPC_TORCH_SUITES=all runs the excluded and known-failing ones too. Not yet in
-# `make test`: races in nbrpc's join and graceful shutdown still fail a few of the
-# selected tests in one run in two (issue 14).
+# PyTorch's own RPC test suites against nbrpc (tests/torch_suites.py says which),
+# also part of `make test`; NBRPC_TORCH_SUITES=all runs the excluded and
+# known-failing ones too, NBRPC_TORCH_SUITES=known-failing only those.
 test-torch-suites: $(STAMP)
 	$(PYTEST) tests/test_torch_suites.py
 

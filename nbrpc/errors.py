@@ -17,6 +17,7 @@ subclasses ``RuntimeError`` too, so code written against
     ├── RendezvousError            init_rpc could not form the group
     ├── ShutdownError              the agent is shutting down
     ├── RemoteError                a remote failure whose type did not unpickle
+    ├── BackwardStageError         a distributed backward stage raised on a worker
     └── CompositeError             several workers failed in one fan-out (every one listed)
 """
 
@@ -117,22 +118,66 @@ class RemoteError(NbrpcError):
     """A remote failure whose exception type could not be rebuilt here.
 
     Keeps the worker, the remote type's qualified name, its message and the
-    remote traceback, like ipyparallel's ``RemoteError``.
+    remote traceback, like ipyparallel's ``RemoteError``. Its message holds
+    PyTorch's phrase ("Original exception on remote side was ...") that code
+    written for ``torch.distributed.rpc`` matches on.
+
+    >>> str(RemoteError("w1", "app.Custom", "foo", "", why="TypeError: needs 2 args"))
+    "Original exception on remote side was app.Custom: foo (raised on 'w1'; ...)"
     """
 
-    def __init__(self, worker: str, type_name: str, message: str, traceback: str) -> None:
+    def __init__(self, worker: str, type_name: str, message: str, traceback: str,
+                 why: str = "") -> None:
         self.worker = worker
         self.type_name = type_name
         self.message = message
         self.traceback = traceback
-        super().__init__(f"{type_name} on {worker!r}: {message}")
+        self.why = why
+        because = f" ({why})" if why else ""
+        super().__init__(
+            f"Original exception on remote side was {type_name}: {message} (raised on "
+            f"{worker!r}; its type could not be rebuilt here{because}, so it arrives as "
+            "RemoteError; the remote traceback is in .traceback)")
 
     def __reduce__(self):
-        return (RemoteError, (self.worker, self.type_name, self.message, self.traceback))
+        return (RemoteError, (self.worker, self.type_name, self.message, self.traceback,
+                              self.why))
 
     def _render_traceback_(self) -> list[str]:
         """IPython shows the remote traceback instead of the local one."""
         return [f"RemoteError on {self.worker!r}:", *self.traceback.rstrip().splitlines()]
+
+
+class BackwardStageError(NbrpcError):
+    """A stage of a distributed backward pass raised on a worker (a custom
+    ``Function.backward``, an engine error). The message starts as PyTorch's
+    ("Error on Node N: ..."); the exception raised there is ``original`` and
+    this one's ``__cause__``, with the worker's traceback.
+
+    >>> e = BackwardStageError(2, "worker2", ValueError("boom"), 7)
+    >>> str(e).split(" (")[0], type(e.original).__name__
+    ('Error on Node 2: boom', 'ValueError')
+    """
+
+    def __init__(self, rank: int, worker: str, original: BaseException, context_id: int
+                 ) -> None:
+        self.rank, self.worker, self.original = rank, worker, original
+        super().__init__(
+            f"Error on Node {rank}: {original} ({type(original).__name__} on {worker!r}, "
+            f"in the distributed backward pass of autograd context {context_id}; the "
+            "original exception is .original, with the traceback there as its cause)")
+
+    def __reduce__(self):
+        return (BackwardStageError._rebuild, (self.args[0], self.rank, self.worker,
+                                              self.original))
+
+    @staticmethod
+    def _rebuild(message: str, rank: int, worker: str, original: BaseException
+                 ) -> BackwardStageError:
+        e = BackwardStageError.__new__(BackwardStageError)
+        NbrpcError.__init__(e, message)
+        e.rank, e.worker, e.original = rank, worker, original
+        return e
 
 
 class CompositeError(NbrpcError):

@@ -165,3 +165,90 @@ def test_gradients_for_an_unknown_send_are_refused() -> None:
 def test_roots_are_checked_as_in_pytorch(roots, match: str) -> None:
     with pytest.raises((RuntimeError, ValueError, TypeError), match=match):
         check_roots(roots)
+
+
+# -- leaves: hooks and copies, as PyTorch's AccumulateGrad ---------------------------------
+class Twice(torch.autograd.Function):
+    """a + b; its backward hands the same gradient tensor to both (and says which)."""
+
+    ptr = 0
+
+    @staticmethod
+    def forward(ctx, a, b):
+        return a + b
+
+    @staticmethod
+    def backward(ctx, g):
+        Twice.ptr = g.data_ptr()
+        return g, g
+
+
+class Same(torch.autograd.Function):
+    ptr = 0
+
+    @staticmethod
+    def forward(ctx, a):
+        return a.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        Same.ptr = g.data_ptr()
+        return g
+
+
+class Spread(torch.autograd.Function):
+    """Its backward returns a non-contiguous (expanded) gradient."""
+
+    @staticmethod
+    def forward(ctx, a):
+        ctx.shape = a.shape
+        return a.sum(0)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g.expand(ctx.shape)
+
+
+@pytest.mark.parametrize("case", ["shared", "single", "non-contiguous"])
+def test_leaf_gradients_are_copied_exactly_where_pytorch_copies_them(case: str) -> None:
+    """Local autograd's .grad and the context's gradient agree on "is it the
+    tensor the backward returned?" (no copy) or not (a copy, laid out as the leaf)."""
+
+    def build(a, b):
+        if case == "shared":
+            return Twice.apply(a, b).sum(), lambda: Twice.ptr
+        if case == "single":
+            return Same.apply(a)[1].sum(), lambda: Same.ptr
+        return Spread.apply(a).sum(), None
+
+    def kept(grad, ptr):  # whether the stored gradient is the backward's own tensor
+        return grad.data_ptr() == ptr() if ptr else not grad.is_contiguous()
+
+    a, b = torch.randn(3, 4, requires_grad=True), torch.randn(3, 4, requires_grad=True)
+    loss, ptr = build(a, b)
+    loss.backward()
+    local = kept(a.grad, ptr)
+    got, accumulate = collector()
+    loss, ptr = build(a, b)
+    p = LocalPass("w", {}, {}, accumulate, roots=[loss])
+    p.start()
+    p.run()
+    assert kept(got[a], ptr) == local == (case == "single")
+    assert got[a].stride() == a.grad.stride() and torch.equal(got[a], a.grad)
+    if case == "shared":
+        assert got[a].data_ptr() != got[b].data_ptr()
+
+
+def test_a_leafs_tensor_hooks_run_before_its_gradient_is_stored() -> None:
+    w = torch.ones(3, requires_grad=True)
+    seen = []
+    w.register_hook(lambda g: seen.append(g.clone()))  # returns None: g unchanged
+    w.register_hook(lambda g: g * 2)
+    loss = (w * torch.tensor([1.0, 2.0, 3.0])).sum()
+    got, accumulate = collector()
+    p = LocalPass("w", {}, {}, accumulate, roots=[loss])
+    p.start()
+    p.run()
+    loss.backward()  # the same in local autograd
+    assert torch.equal(got[w], w.grad) and torch.equal(got[w], torch.tensor([2.0, 4.0, 6.0]))
+    assert len(seen) == 2 and torch.equal(seen[0], torch.tensor([1.0, 2.0, 3.0]))

@@ -16,6 +16,7 @@ from torch import nn
 from nbrpc import autograd as dist_autograd
 from nbrpc.agent import current_agent
 from nbrpc.agent.agent import _local
+from nbrpc.errors import BackwardStageError
 from nbrpc.nn import RemoteModule
 from nbrpc.optim import DistributedOptimizer
 from nbrpc.rpc import RRef, remote, rpc_async, rpc_sync
@@ -242,9 +243,13 @@ def test_an_error_on_a_worker_fails_backward_with_its_name(group) -> None:
     x = make_param(2, 3)
     with dist_autograd.context() as ctx:
         y = rpc_sync("c", explode, (x,))
-        with pytest.raises(ValueError, match="boom in backward") as info:
+        # as PyTorch's: a RuntimeError "Error on Node N: ...", the original inside
+        with pytest.raises(BackwardStageError, match="^Error on Node 2: boom in backward") as info:
             dist_autograd.backward(ctx, [y.sum()])
-        assert info.value.remote_worker == "c" and "backward" in info.value.remote_traceback
+        assert isinstance(info.value, RuntimeError) and info.value.worker == "c"
+        original = info.value.original
+        assert info.value.__cause__ is original and isinstance(original, ValueError)
+        assert original.remote_worker == "c" and "backward" in original.remote_traceback
         assert x not in dist_autograd.get_gradients(ctx)
 
 
@@ -446,6 +451,52 @@ def test_remote_module_api(group) -> None:
         RemoteModule("c/cuda:0", nn.Linear, args=(1, 1))
     wrapped = nn.Sequential(lin)  # composes into a local model, with no local parameters
     assert wrapped(torch.ones(2, 3)).shape == (2, 2) and list(wrapped.parameters()) == []
+
+
+class NotAModule:
+    def __init__(self, *args, **kwargs) -> None:
+        pass
+
+
+def own_attributes(module: RemoteModule) -> dict:
+    return {k: v for k, v in module.__dict__.items() if k not in nn.Module().__dict__}
+
+
+def forward_of(module: RemoteModule, x: torch.Tensor) -> torch.Tensor:
+    return module(x)
+
+
+def share(module_rref: RRef) -> RemoteModule:
+    return RemoteModule.init_from_module_rref("b/cpu", module_rref)
+
+
+def test_remote_module_errors_pickling_and_sharing_match_pytorch(group) -> None:
+    """PyTorch's RemoteModule tests: a class that builds no module fails at the
+    first call with PyTorch's ValueError; only the module's own attributes
+    travel; init_from_module_rref shares one module between RemoteModules."""
+    bad = RemoteModule("c/cpu", NotAModule, (1,), {"first_kwarg": 2})
+    with pytest.raises(ValueError, match=r"Expect `module_cls\(\*args, \*\*kwargs\)` returns "
+                       r"an instance of <class nn.Module>, but it returns an instance of "):
+        bad.forward()
+    lin = RemoteModule("c", nn.Linear, args=(3, 2))
+    lin.new_attr = 1  # set after construction: not sent
+    sent = rpc_sync("b", own_attributes, (lin,))
+    own = set(RemoteModule_pickled()) - {"training"}  # (nn.Module's own)
+    assert set(sent) == own and "new_attr" not in sent
+    assert set(own_attributes(lin)) == own | {"new_attr"}  # nothing unlisted but that
+    x = torch.ones(1, 3)
+    shared = rpc_sync("b", share, (lin.get_module_rref(),))  # made on b, sent back
+    assert shared.on == "c" and torch.equal(shared(x), lin(x))
+    assert torch.equal(rpc_sync("a", forward_of, (shared, x)), lin(x))
+    shared.eval()
+    assert rpc_sync("c", is_training, (lin.get_module_rref(),)) is False
+    with pytest.raises(TypeError, match="module_rref must be an RRef"):
+        RemoteModule.init_from_module_rref("c/cpu", lin)
+
+
+def RemoteModule_pickled() -> tuple[str, ...]:  # noqa: N802 - names the constant
+    from nbrpc.nn.remote_module import _PICKLED_ATTRIBUTES
+    return _PICKLED_ATTRIBUTES
 
 
 def is_training(rref: RRef) -> bool:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import _thread
 import gc
+import logging
 import threading
 import time
 
@@ -160,10 +161,14 @@ def test_tensors_views_and_large(trio) -> None:
 
 
 # -- errors ----------------------------------------------------------------------------
-def test_remote_exception_keeps_type_worker_and_traceback(trio) -> None:
+def test_remote_exception_keeps_type_worker_and_traceback(trio, caplog) -> None:
     a, _, _ = trio
-    with pytest.raises(ValueError, match="boom") as info:
-        a.rpc_async("c", fail, ("boom",)).wait()
+    with caplog.at_level(logging.WARNING, logger="nbrpc.agent.agent"):
+        with pytest.raises(ValueError, match="boom") as info:
+            a.rpc_async("c", fail, ("boom",)).wait()
+    # logged on the callee too, as PyTorch prints it to the worker's stderr
+    assert ["nbrpc agent 'c': call from 'a' raised ValueError: boom"] == [
+        r.getMessage() for r in caplog.records if "raised" in r.getMessage()]
     assert info.value.remote_worker == "c"
     assert "in fail" in info.value.remote_traceback
     assert "in fail" in str(info.value.__cause__)
@@ -172,6 +177,7 @@ def test_remote_exception_keeps_type_worker_and_traceback(trio) -> None:
 
 
 def test_remote_exception_type_missing_here_becomes_remote_error(trio) -> None:
+    """PyTorch's phrase first ("Original exception on remote side was"), then why."""
     a, b, _ = trio
 
     def raise_unpicklable():
@@ -185,6 +191,30 @@ def test_remote_exception_type_missing_here_becomes_remote_error(trio) -> None:
         a.rpc_async("b", raise_unpicklable).wait()
     assert info.value.worker == "b" and "Local" in info.value.type_name
     assert "custom" in str(info.value) and "raise_unpicklable" in info.value.traceback
+    assert str(info.value).startswith("Original exception on remote side was ")
+    assert "could not pickle it" in str(info.value)
+
+
+def _gone_from_the_callee():
+    raise AttributeError("Can't get attribute 'foo_add' on <module 'app'>")
+
+
+class MissingOnCallee:
+    """Unpickles as a function the callee's module no longer has."""
+
+    def __reduce__(self):
+        return _gone_from_the_callee, ()
+
+
+def test_a_request_the_callee_cannot_unpickle_says_so_as_pytorchs_words(trio) -> None:
+    """PyTorch's test_function_not_on_callee: a RuntimeError naming the pickler."""
+    a, _, _ = trio
+    with pytest.raises(SerializationError, match="RPC pickler does not serialize") as info:
+        a.rpc_async("b", add, (MissingOnCallee(),)).wait()
+    assert isinstance(info.value, RuntimeError)
+    assert "'b' could not unpickle the request: AttributeError: Can't get attribute" in str(
+        info.value)
+    assert a.rpc_async("b", add, (1, 2)).wait() == 3
 
 
 def test_unpicklable_result_and_argument(trio) -> None:
@@ -231,18 +261,35 @@ def test_wait_is_interruptible_and_agent_survives(trio) -> None:
     assert a.rpc_async("b", add, (3, 4)).wait() == 7
 
 
-def test_wait_inside_io_callback_raises_instead_of_deadlocking(trio) -> None:
+def test_a_callback_may_wait_on_another_call(trio) -> None:
+    """As in PyTorch (test_callback_with_ret): a .then() callback may block on a
+    new call, even through a plain torch future; the future that has callbacks
+    is completed on a pool thread, not on the I/O thread that must deliver the
+    answer they wait for."""
     a, _, _ = trio
-    errors = []
 
     def callback(f):
+        inner = a.rpc_async("c", add, (f.wait(), 1)).then(lambda g: g.wait() + 1)
+        return inner.wait()  # a torch.futures.Future, not nbrpc's
+
+    assert a.rpc_async("b", add, (1, 1)).then(callback).wait() == 4
+    assert a.rpc_async("b", add, (1, 1)).then(
+        lambda f: a.rpc_async("c", add, (f.value(), 10)).wait()).wait() == 12
+
+
+def test_a_wait_on_the_io_thread_raises_instead_of_deadlocking(trio) -> None:
+    a, _, _ = trio
+    errors, done = [], threading.Event()
+
+    def on_io_thread():
         try:
             a.rpc_async("b", add, (1, 1)).wait()
         except RuntimeError as e:
             errors.append(str(e))
+        done.set()
 
-    a.rpc_async("b", add, (1, 1)).then(callback).wait()
-    assert errors and "deadlock" in errors[0]
+    a.io.call_soon(on_io_thread)
+    assert done.wait(10) and errors and "deadlock" in errors[0]
 
 
 def test_tampered_message_dropped_unread(trio) -> None:
@@ -604,3 +651,39 @@ def test_a_burst_of_quick_calls_does_not_grow_the_pool() -> None:
         # a thread held up by a GC pause or the other agent's threads may add one or
         # two; the fault this catches is growing to all 16
         assert b.pool.size <= 8, b.pool.size
+
+
+def test_a_call_that_arrives_before_the_member_table_waits_for_it() -> None:
+    """A peer that heard the group formed calls at once; the callee may not have
+    heard yet. Its request is held until the member table arrives, then served
+    (it may name other members: here it calls rank 0 back)."""
+    from nbrpc.agent import Agent, AgentOptions
+    from nbrpc.transport import new_key
+
+    key = new_key()
+    agents = [Agent(n, r, key, world_size=3, options=AgentOptions(num_worker_threads=2))
+              for r, n in enumerate(["w0", "w1", "w2"])]
+    w0, w1, w2 = agents
+    first_control = w2._on_control
+
+    def late_members(env) -> None:  # the coordinator's first message to w2 is the table
+        w2._on_control = first_control
+        w2.io.call_later(0.5, first_control, env)
+
+    w2._on_control = late_members
+    starters = [threading.Thread(target=a.start, args=(None if a.rank == 0 else w0.address, 10))
+                for a in agents]
+    for t in starters:
+        t.start()
+    try:
+        assert poll_for(lambda: w1.state == "ready", 10) and w2.state == "joining"
+        assert w1.rpc_async("w2", nested, (0, ["w0"])).wait() == ["w2", "w0", 1]
+        assert w2.state == "ready"
+    finally:
+        for t in starters:
+            t.join(15)
+        stoppers = [threading.Thread(target=a.shutdown, kwargs={"timeout": 10}) for a in agents]
+        for t in stoppers:
+            t.start()
+        for t in stoppers:
+            t.join(20)

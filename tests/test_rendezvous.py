@@ -226,6 +226,26 @@ def test_publish_is_private_and_lookup_waits_for_it(shared) -> None:
     assert os.listdir(shared) == ["rdv"]  # no temporary file left behind
 
 
+def test_file_rendezvous_lives_beside_a_c10d_filestore_on_the_same_url(shared) -> None:
+    """Programs give init_process_group and init_rpc one file:// URL (PyTorch's
+    tests do): c10d's FileStore owns PATH; nbrpc publishes in PATH.nbrpc, and
+    neither disturbs the other, in either order."""
+    from torch.distributed import FileStore
+
+    path = str(shared / "rdv")
+    store = FileStore(path, 1)
+    store.set("before", "1")
+    rdv = rendezvous.parse(f"file://{path}", 0)
+    assert rdv.file == path + ".nbrpc"
+    key = b"k" * 32
+    rendezvous.publish(rdv.file, "tcp://127.0.0.1:1234", key)
+    store.set("after", "2")
+    assert rendezvous.lookup(rendezvous.parse(f"file://{path}", 1).file, 1) == (
+        "tcp://127.0.0.1:1234", key)
+    assert store.get("before") == b"1" and store.get("after") == b"2"
+    assert _mode(Path(rdv.file)) == 0o600
+
+
 def test_lookup_times_out_with_advice(shared) -> None:
     with pytest.raises(RendezvousError, match="delete it"):
         rendezvous.lookup(str(shared / "never"), 0.1)

@@ -131,6 +131,27 @@ def test_user_to_user(group) -> None:
     assert poll_for(lambda: freed("u2u"))
 
 
+def confirmed_here(rref: RRef) -> bool:
+    return rref.confirmed_by_owner()
+
+
+def test_a_user_rref_argument_is_confirmed_before_the_function_runs(group) -> None:
+    """As PyTorch (test_user_rrefs_confirmed): the callee runs the function
+    once the owner has registered the forks in its arguments, even when that
+    registration is slow (here: delayed 0.3 s), for rpc and for remote."""
+    a, b, c = group
+    r = remote(a, "b", Tracked, ("confirmed",), {}, -1)
+    assert poll_for(r.confirmed_by_owner)
+    c.faults.add("rref_fork", "delay", delay=0.3, times=2)
+    t0 = time.monotonic()
+    assert a.rpc_async("c", confirmed_here, (r,)).wait() is True
+    assert time.monotonic() - t0 >= 0.25
+    assert remote(a, "c", confirmed_here, (r,), {}, -1).to_here() is True
+    assert not c.faults.rules  # both registrations were delayed
+    del r
+    assert poll_for(lambda: freed("confirmed"))
+
+
 def test_nested_calls_containers_and_rrefs_inside_values(group) -> None:
     a, b, c = group
     r1 = remote(a, "b", Tracked, ("n1",), {}, -1)

@@ -761,10 +761,10 @@ def calls_keep_working_while_master_shuts_down():
 
 @_check("file")
 def file_init_method():
-    path = Path(_CTX["file_path"])
+    record = Path(_CTX["file_path"] + ".nbrpc")  # (beside c10d's FileStore file)
     # a static group removes its rendezvous file once everyone has joined, so a
     # re-init with the same path can never read this group's address
-    assert not path.exists()
+    assert not record.exists()
     for name in NAMES:
         assert rpc.rpc_sync(name, _whoami, timeout=10) == name
     assert rpc.rpc_sync("worker2", _nested, args=(["worker1"],), timeout=10) == [
@@ -782,7 +782,7 @@ def calls_after_shutdown_raise_not_initialized():
 
 @_check("file", after_shutdown=True)
 def rendezvous_file_removed_by_shutdown():
-    assert not Path(_CTX["file_path"]).exists()
+    assert not Path(_CTX["file_path"] + ".nbrpc").exists()
 
 
 @_check("file_again")
@@ -810,7 +810,8 @@ def failed_file_init_removes_its_rendezvous_file():
     with pytest.raises(RendezvousError):
         rpc.init_rpc("lonely", rank=0, world_size=2, rpc_backend_options=opts)
     assert time.monotonic() - t0 < 3.0
-    assert not path.exists(), f"left behind: {path.read_text()}"
+    record = Path(f"{path}.nbrpc")  # beside c10d's FileStore file, if any
+    assert not record.exists(), f"left behind: {record.read_text()}"
 
 
 @contextmanager
@@ -890,7 +891,7 @@ def _child(rank: int, port: int, port2: int, file_path: str, result_dir: str) ->
             run(phase, checks)
             t2 = time.monotonic()
             if phase == "file" and rank == 0:
-                with _slow_unlink(file_path, 1.0):
+                with _slow_unlink(file_path + ".nbrpc", 1.0):
                     rpc.shutdown()
             else:
                 rpc.shutdown()

@@ -96,3 +96,45 @@ def test_the_registry_loads_the_jupyter_layer_and_names_what_it_knows() -> None:
 def test_show_refuses_what_it_cannot_show_and_says_what_it_can() -> None:
     with pytest.raises(TypeError, match="shows traces, RRef graphs"):
         nbrpc.show(42)
+
+
+def test_a_refresh_reaches_the_front_end_as_one_state_message() -> None:
+    """The title, drawing, controls and status of one refresh travel together:
+    the browser never shows a new title over the old drawing."""
+    v = Counter()
+    sent: list[set[str]] = []
+    v.send_state = lambda key=None: sent.append(set(key) if key is not None else {"*"})
+    v.refresh()
+    assert sent == [{"html", "status"}], sent  # title and controls did not change
+    sent.clear()
+    v._on_front_end(v, {"event": "select", "key": "r1"}, None)
+    v._on_front_end(v, {"event": "control", "id": "explode"}, None)
+    assert sent == [{"panel"}, {"panel"}], sent
+    v.close()
+
+
+def test_a_live_tick_and_a_click_do_not_interleave() -> None:
+    """A refresh holds the view's lock: a click waits for the tick under way."""
+    inside, release = threading.Event(), threading.Event()
+
+    class Slow(Counter):
+        def refresh(self) -> None:
+            super().refresh()
+            if self.refreshes == 2:
+                inside.set()
+                release.wait(10)
+
+    v = Slow()
+    t = threading.Thread(target=v.refresh, daemon=True)
+    t.start()
+    assert inside.wait(10)
+    clicked = threading.Thread(target=v._on_front_end,
+                               args=(v, {"event": "select", "key": "r2"}, None), daemon=True)
+    clicked.start()
+    clicked.join(0.3)
+    assert clicked.is_alive() and v.panel == ""  # waiting for the refresh
+    release.set()
+    t.join(10)
+    clicked.join(10)
+    assert v.panel == "selected r2"
+    v.close()

@@ -242,83 +242,26 @@ EXCLUDED: dict[str, dict[str, str]] = {
 # Public API, failing today (issue 14): what the run showed.
 KNOWN_FAILING: dict[str, dict[str, str]] = {
     'DistAutogradTest': {
-        'test_backward_autograd_engine_error':
-            'RuntimeError: Process 0 exited with error code 10 and exception:',
-        'test_backward_python_udf_error':
-            'RuntimeError: Process 0 exited with error code 10 and exception:',
-        'test_backward_verify_hooks':
-            'AssertionError: Tensor-likes are not close!',
-        'test_multiple_backward_with_errors':
-            'RuntimeError: Process 0 exited with error code 10 and exception:',
-        'test_no_grad_copy':
-            'AssertionError: True is not false',
-        'test_no_grad_copy_sparse':
-            'AssertionError: True is not false',
         'test_post_hooks':
-            'AssertionError: Scalars are not equal!',
-    },
-    'RemoteModuleTest': {
-        'test_bad_module':
-            "TypeError: module_cls must build an nn.Module; <class 'torch.testing._internal.distributed.nn.api.remote_modul",
-        'test_send_remote_module_with_a_new_attribute_not_pickled_over_the_wire':
-            "AssertionError: 'new_attr' unexpectedly found in {'training': True, '_parameters': {}, '_buffers': {}, '_non_p",
+            "an AccumulateGrad node's post hooks (node.register_hook) do not run in "
+            "nbrpc's distributed backward: Python cannot read a C++ node's hooks, and "
+            "nbrpc runs nodes one at a time (AssertionError: Scalars are not equal!)",
     },
     'RpcTest': {
-        'test_async_function_multi_fanout':
-            "nbrpc.errors.ShutdownError: agent 'worker2' is joining; it takes no new calls",
-        'test_callback_with_ret':
-            'RuntimeError: Got the following error when running the callback: RuntimeError: Got the following error when ru',
-        'test_custom_exception_throw_during_reconstruction':
-            'AssertionError: False is not true',
-        'test_function_not_on_callee':
-            "AttributeError: Can't get attribute 'foo_add' on <module 'torch.testing._internal.distributed.rpc.rpc_test' fr",
-        'test_py_raise_in_user_func':
-            'AssertionError: False is not true',
-        'test_user_rrefs_confirmed':
-            'AssertionError: Booleans mismatch: False is not True',
-        'test_user_rrefs_confirmed_remote':
-            'AssertionError: Booleans mismatch: False is not True',
         'test_wait_all_exit_early_builtin':
             'torch.futures.wait_all waits for every future: a future completed from Python '
             "(Future.set_exception, as nbrpc's are) holds its error as a value, so collect_all "
             "does not exit early; ran into the other call's 60 s timeout. Seen: "
             'AssertionError: "size of tensor" does not match "RPC \'call\' on \'worker0\' ran for more than the set timeout (60',
         'test_wait_all_exit_early_python':
-            "nbrpc.errors.RpcTimeoutError: RPC 'call' on 'worker0' ran for more than the set timeout (60 s) and was marked ",
-    },
-    'ThreeWorkersRemoteModuleTest': {
-        'test_create_remote_module_from_module_rref':
-            "AttributeError: type object 'RemoteModule' has no attribute 'init_from_module_rref'",
+            'as test_wait_all_exit_early_builtin: nbrpc.errors.RpcTimeoutError: RPC '
+            "'call' on 'worker0' ran for more than the set timeout (60 s)",
     },
 }
 # Public API, passing alone but failing under load (2 cores shared with other
-# work): races in graceful shutdown and in dist-autograd cleanup (issue 14).
-FLAKY: dict[str, dict[str, str]] = {
-    'DistAutogradTest': {
-        'test_async_dist_autograd': 'timed out after 110 s (one run in two under load)',
-        'test_grad_only_on_return_value_remote': 'timed out after 110 s (under load)',
-    },
-    'RpcTest': {
-        'test_init_pg_then_rpc':
-            "RendezvousError: 'worker2' could not join the group within 60 s. The test's "
-            "c10d FileStore and nbrpc's file:// rendezvous share one file, and nbrpc's "
-            'format does not survive the FileStore writing into it',
-        'test_rpc_return_rref':
-            "UnknownWorkerError on 'worker2': ... known: (none) (a call served during shutdown)",
-        'test_callback_in_rpc':
-            "ShutdownError: agent 'worker2' is joining; it takes no new calls",
-        'test_async_class_rref_proxy':
-            "ShutdownError: agent 'worker3' is joining; it takes no new calls",
-        'test_async_function_multi_chained':
-            "ShutdownError: agent 'worker2' is joining; it takes no new calls",
-        'test_nested_rref':
-            "UnknownWorkerError on 'worker2': No worker named 'worker3'; known: (none)",
-        'test_rref_forward_chain':
-            "UnknownWorkerError on 'worker3': No worker named 'worker0'; known: (none)",
-        'test_self_remote_rref_as_rpc_arg':
-            "WorkerGoneError: 'rank1' is not in the group; it owned RRef 1:1",
-    },
-}
+# work). Empty since the fixes of 2026-11-24 (a call that arrives before the
+# callee has the member table waits for it; file:// beside c10d's FileStore).
+FLAKY: dict[str, dict[str, str]] = {}
 # Where nbrpc differs from PyTorch on purpose (README, "differs from PyTorch").
 DEVIATIONS: dict[str, dict[str, str]] = {
     'DistAutogradTest': {

@@ -77,10 +77,12 @@ from .messages import (
     Members,
     Ok,
 )
-from .pool import WorkerPool
+from .pool import WorkerPool, blocking
 from .remote_errors import pack_error, rebuild_error
 
 log = logging.getLogger(__name__)
+
+MAX_EARLY = 10_000  # requests held while joining (peers that heard first call at once)
 
 _local = threading.local()
 _EXTENSIONS: list[Callable[[Agent], None]] = []
@@ -118,12 +120,20 @@ class Wire:
     message propagates (``tag``: the autograd context id) and a scratch dict
     for upper layers (``stash``: one autograd message id per message)."""
 
-    __slots__ = ("agent", "peer", "undo", "tag", "stash")
+    __slots__ = ("agent", "peer", "undo", "tag", "stash", "before")
 
     def __init__(self, agent: Agent, peer: int, tag: Any = None) -> None:
         self.agent, self.peer, self.tag = agent, peer, tag
         self.undo: list[Callable[[], None]] | None = None
         self.stash: dict[str, Any] | None = None
+        self.before: list[threading.Event] | None = None
+
+    def run_after(self, event: threading.Event) -> None:
+        """A request being unpickled: run its handler once ``event`` is set
+        (bounded by the RPC timeout). Replies and inline messages do not wait."""
+        if self.before is None:
+            self.before = []
+        self.before.append(event)
 
     def on_unsent(self, fn: Callable[[], None]) -> None:
         if self.undo is None:
@@ -280,6 +290,9 @@ class Agent:
         self._gone: dict[int, tuple[str, str]] = {}  # rank -> (name, why): died or left
         self._coordinator = Coordinator(world_size) if rank == 0 else None
         self._joined = threading.Event()
+        # Requests that arrived before this agent had the member table (a peer
+        # that heard first called at once): served once it arrives (I/O thread).
+        self._early: list[Envelope] = []
         self._join_error: str | None = None
         self._verdicts: dict[int, Verdict] = {}  # shutdown round -> "done?"
         self._rounds = itertools.count()
@@ -535,7 +548,7 @@ class Agent:
             if p.peer == rank and self._pending.pop(mid, None) is not None:
                 if p.timer is not None:
                     self.io.cancel(p.timer)
-                p.settle(error=WorkerGoneError(m.name, why))
+                self._settle(p, error=WorkerGoneError(m.name, why))
         for hook in self.gone_hooks:
             try:
                 hook(rank)
@@ -652,7 +665,20 @@ class Agent:
         self.timeouts += 1
         name = self._peer_name(p.peer)
         self.events.add("timeout", p.op, name, mid, 0, time.perf_counter() - p.started)
-        p.settle(error=RpcTimeoutError(f"RPC {p.op!r}", timeout, worker=name))
+        self._settle(p, error=RpcTimeoutError(f"RPC {p.op!r}", timeout, worker=name))
+
+    def _settle(self, p: _Pending, value: Any = None, error: BaseException | None = None,
+                ) -> None:
+        """Complete a call's future. Its callbacks (``.then()``) run on the
+        completing thread, and a callback may block (wait on another call, as
+        PyTorch allows): a future that has callbacks is completed on a pool
+        thread, never on the I/O thread that must deliver the answers they wait
+        for. A future without any completes here, at no extra cost."""
+        if (p.future.has_callbacks and self.state != "stopped"
+                and threading.get_ident() == self.io.thread_ident):
+            self.pool.submit(p.settle, value, error)
+        else:
+            p.settle(value, error)
 
     def _complete(self, env: Envelope) -> None:
         p = self._pending.get(env.msg_id)
@@ -670,17 +696,17 @@ class Agent:
         try:
             reply = loads(env.payload, env.buffers, Wire(self, env.sender))
         except Exception as e:
-            p.settle(error=SerializationError(
+            self._settle(p, error=SerializationError(
                 f"the answer from {name!r} could not be unpickled here: "
                 f"{type(e).__name__}: {e}"))
             return
         if type(reply) is Ok:
-            p.settle(reply.value)
+            self._settle(p, reply.value)
         else:
             self.remote_errors += 1
             if reply.unread and p.wire is not None:  # e.g. RRefs forked into it
                 p.wire.unsent()
-            p.settle(error=rebuild_error(reply))
+            self._settle(p, error=rebuild_error(reply))
 
     def _discard(self, env: Envelope) -> None:
         """A late reply is still unpickled, then dropped: RRefs forked into it
@@ -697,6 +723,12 @@ class Agent:
         kind = env.kind
         if kind == RESPONSE:
             self._complete(env)
+        elif kind in (REQUEST, INLINE) and self.state == "joining":
+            if len(self._early) < MAX_EARLY:
+                self._early.append(env)
+            else:
+                self.io.note_drop("too early", f"request from rank {env.sender} before the "
+                                  f"member table ({MAX_EARLY} already held)")
         elif kind == REQUEST:
             self.pool.submit(self._serve, env)
         elif kind == INLINE:
@@ -713,10 +745,13 @@ class Agent:
         try:
             msg = loads(env.payload, env.buffers, wire)
         except BaseException as e:  # the caller undoes what the message carried
+            e = _unread_error(e, self.name)
             self._reply(env, dataclasses.replace(pack_error(e, self.name), unread=True),
                         op, started, wire.tag)
             return
         tag = wire.tag
+        if wire.before is not None and threading.get_ident() != self.io.thread_ident:
+            self._wait_before(wire.before)
         try:
             if tag is not None:  # (tagged: a (_Tag, message) pair)
                 msg = msg[1]
@@ -730,6 +765,7 @@ class Agent:
                 with self.propagator.enter(tag):
                     result = handler(msg, env.sender)
         except BaseException as e:
+            self.user_error(op, env.sender, e)
             self._reply(env, pack_error(e, self.name), op, started, tag)
             return
         if type(result) is Deferred:
@@ -738,9 +774,33 @@ class Agent:
         else:
             self._reply(env, Ok(result), op, started, tag, _what(msg))
 
+    def _wait_before(self, events: list[threading.Event]) -> None:
+        """Wait (bounded by the RPC timeout, on a pool thread) for what the
+        request's unpickling asked to precede its handler."""
+        deadline = time.monotonic() + (self.options.rpc_timeout or 60.0)
+        with blocking():
+            for ev in events:
+                while not ev.wait(0.25) and self.state != "stopped":
+                    if time.monotonic() > deadline:
+                        log.warning("nbrpc agent %r: running a request before its RRef "
+                                    "arguments were confirmed by their owners", self.name)
+                        return
+
+    def user_error(self, op: str, sender: int, e: BaseException) -> None:
+        """Log, on this worker, a failure of code run for ``sender`` (as PyTorch
+        prints it to the worker's stderr); the caller gets the exception too.
+        One line at WARNING, the traceback at DEBUG."""
+        if getattr(e, "remote_worker", None):  # raised further away: logged there
+            return
+        log.warning("nbrpc agent %r: %s from %r raised %s: %s", self.name, op,
+                    self._peer_name(sender), type(e).__name__, e)
+        log.debug("the traceback", exc_info=e)
+
     def _reply_future(self, env: Envelope, f: torch.futures.Future, op: str, started: float,
                       tag: Any = None, what: str = "") -> None:
         value, error = outcome(f)
+        if error is not None:
+            self.user_error(op, env.sender, error)
         reply: Any = Ok(value) if error is None else pack_error(error, self.name)
         self._reply(env, reply, op, started, tag, what)
 
@@ -810,6 +870,9 @@ class Agent:
                     self._coordinator.watch_all(now)
                 if self.state == "joining":  # peers may call us from now on
                     self.state = "ready"
+                    early, self._early = self._early, []
+                    for held in early:  # they name members this agent now knows
+                        self._on_message(held)
             self._joined.set()
         elif t is MemberJoined:
             self._add_member(msg.member)
@@ -992,6 +1055,22 @@ class Agent:
 
     def __repr__(self) -> str:
         return f"<nbrpc Agent {self.name!r} rank={self.rank} {self.state} at {self.address}>"
+
+
+def _unread_error(e: BaseException, name: str) -> BaseException:
+    """The error for a request that ``name`` could not unpickle (nothing of it ran)."""
+    if not isinstance(e, Exception):
+        return e
+    hint = ""
+    if isinstance(e, (AttributeError, ImportError)):
+        hint = (" The RPC pickler does not serialize the code of functions and classes "
+                "imported from a module (it does for those defined in __main__ or a "
+                "notebook cell): the callee imports them by name, so install the same "
+                "code on every worker, or define them in the notebook or script.")
+    error = SerializationError(f"{name!r} could not unpickle the request: "
+                               f"{type(e).__name__}: {e}.{hint}")
+    error.__cause__ = e
+    return error
 
 
 INTERNAL = "nbrpc:"  # the prefix of internal calls' names in the event log

@@ -4,7 +4,10 @@ It adds one thing: :meth:`RpcFuture.wait` from the main thread can be
 interrupted (Jupyter's interrupt button raises KeyboardInterrupt within a
 second) and leaves the future, the call and the agent intact, so the same
 future can be waited on again. ``torch.futures.wait_all``, ``collect_all``
-and ``.then()`` work as for any torch future.
+and ``.then()`` work as for any torch future. As in PyTorch, a callback may
+block, e.g. wait on a new call: a future that has callbacks is completed on
+one of the agent's pool threads, never on its I/O thread (which must stay
+free to deliver the answers such a callback waits for).
 
 Errors and reference cycles: a torch future holds its error in C++, where
 Python's garbage collector cannot see it. An error raised out of the future
@@ -36,6 +39,15 @@ class RpcFuture(torch.futures.Future):
     def __init__(self, io_ident: Callable[[], int | None] | None = None) -> None:
         torch._C.Future.__init__(self, [])  # CPU only: skip the device-list conversion
         self._io_ident = io_ident
+        self.has_callbacks = False  # then the agent completes it on a pool thread
+
+    def then(self, callback: Callable[[torch.futures.Future], Any]) -> torch.futures.Future:
+        self.has_callbacks = True
+        return super().then(callback)
+
+    def add_done_callback(self, callback: Callable[[torch.futures.Future], None]) -> None:
+        self.has_callbacks = True
+        super().add_done_callback(callback)
 
     def wait(self) -> Any:
         if not self.done():
@@ -51,10 +63,10 @@ class RpcFuture(torch.futures.Future):
     def _block(self) -> None:
         if self._io_ident is not None and threading.get_ident() == self._io_ident():
             raise RuntimeError(
-                "A future was waited on from nbrpc's I/O thread (inside a callback "
-                "given to .then() or add_done_callback). That would deadlock: chain "
-                "another .then() instead of calling wait() or rpc_sync() in a callback."
-            )
+                "A future was waited on from nbrpc's I/O thread, the thread that "
+                "delivers the answer it waits for: that would deadlock. Wait from "
+                "another thread, or chain a .then() (callbacks given to an nbrpc "
+                "future run on a pool thread, where they may wait).")
         _block_until_done(self)
 
 
@@ -79,7 +91,9 @@ def _block_until_done(fut: torch.futures.Future) -> None:
     """Wait in short slices (Ctrl-C stays prompt), counted as blocked in a pool."""
     done = threading.Lock()  # released by the completing thread
     done.acquire()
-    fut.add_done_callback(lambda _f: done.release())
+    # (the C++ method: this callback never blocks, so the future may complete on
+    # the I/O thread; see RpcFuture.has_callbacks)
+    torch._C.Future.add_done_callback(fut, lambda _f: done.release())
     with blocking():
         while not done.acquire(timeout=_SLICE):  # slices keep Ctrl-C prompt
             pass

@@ -36,13 +36,15 @@ def pack_error(e: BaseException, worker: str) -> Err:
 def rebuild_error(err: Err) -> BaseException:
     """The exception to raise on the caller for ``err``."""
     exc: Any = None
+    why = ("the callee could not pickle it, or it is a BaseException such as SystemExit, "
+           "which is only described")
     if err.exc_pickle is not None:
         try:
             exc = cloudpickle.loads(err.exc_pickle)
-        except Exception:
-            exc = None
+        except Exception as e:
+            why = f"unpickling it raised {type(e).__name__}: {e}"
     if not isinstance(exc, Exception):
-        return RemoteError(err.worker, err.type_name, err.message, err.traceback)
+        return RemoteError(err.worker, err.type_name, err.message, err.traceback, why)
     exc.__dict__.pop(TRACEBACK_ATTR, None)  # the callee's; it is in the cause below
     exc.__cause__ = RemoteTraceback(f'\n"""\n{err.traceback.rstrip()}\n"""')
     try:

@@ -37,7 +37,7 @@ from ..agent import Agent
 from ..agent.messages import Err
 from ..agent.pool import blocking
 from ..agent.remote_errors import pack_error, rebuild_error
-from ..errors import RpcTimeoutError
+from ..errors import BackwardStageError, NbrpcError, RpcTimeoutError
 from .context import AutogradContext, Contexts, contexts_of
 from .engine import LocalPass, Outgoing, edge
 
@@ -334,6 +334,10 @@ def run_backward(agent: Agent, ctx_id: int, roots: Any, retain_graph: bool = Fal
     except BaseException as e:
         lp.failed = lp.failed or f"{type(e).__name__}: {e}"
         abort_everywhere(agent, ctx, pass_id, lp.failed)
+        if isinstance(e, Exception) and not isinstance(e, NbrpcError):  # a stage raised
+            worker = getattr(e, "remote_worker", None) or agent.name
+            rank = agent._by_name[worker].rank if worker in agent._by_name else agent.rank
+            raise BackwardStageError(rank, worker, e, ctx_id) from e
         if hasattr(e, "add_note"):
             e.add_note(f"(in the distributed backward pass of autograd context {ctx_id})")
         raise

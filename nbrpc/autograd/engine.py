@@ -21,7 +21,11 @@ the gradient its receiver computes. ::
    PyTorch's order (latest created first), their outputs feed the nodes they
    point to, until none is ready. A node therefore runs once per pass with
    all of its gradients summed, however many messages brought them.
-4. A leaf's gradient accumulates in the context (never in ``.grad``). A leaf
+4. A leaf's gradient accumulates in the context (never in ``.grad``), after
+   the leaf's tensor hooks (``leaf.register_hook``), and as PyTorch's
+   ``AccumulateGrad`` stores it: the tensor itself, unless it also went to
+   other edges or breaks the leaf's layout (then a copy laid out as the leaf;
+   :func:`_keepable`). A leaf
    that was *received* belongs to a recv function: once all its leaves that
    the pass can reach have their gradients, they are returned in the outbox,
    to be sent to the worker that sent them (step 2 there).
@@ -152,6 +156,7 @@ class LocalPass:
         self._ready: list[tuple[int, int, Node]] = []
         self._tie = itertools.count()
         self._received: set[int] = set()
+        self._shared: set[int] = set()  # ids of gradients a node gave to several edges
         self.stages = 0
         self.failed: str | None = None
 
@@ -228,9 +233,15 @@ class LocalPass:
                 self._leaf(node.variable, buf.get(0), record, outbox)
                 continue
             outs = _call(node, buf, self.retain_graph)
-            for (nxt, nr), g in zip(node.next_functions, outs):
+            given = [_fit(g, nxt, nr) if g is not None and nxt is not None else None
+                     for (nxt, nr), g in zip(node.next_functions, outs)]
+            ids = [id(g) for g in given if g is not None]
+            if len(set(ids)) < len(ids):  # one tensor to several edges: a leaf copies it
+                self._shared.update(i for i in ids if ids.count(i) > 1)
+            for (nxt, nr), g in zip(node.next_functions, given):
                 if nxt is not None:
-                    self._give(nxt, nr, None if g is None else _fit(g, nxt, nr))
+                    self._give(nxt, nr, g)
+        self._shared.clear()  # (ids of freed tensors may be reused)
 
     def _close(self, record: StageRecord,
                outbox: list[Outgoing]) -> tuple[StageRecord, list[Outgoing]]:
@@ -245,6 +256,11 @@ class LocalPass:
         recv = self._recv_of.get(id(leaf))
         if recv is None:  # 4. a leaf of this worker: into the context
             if g is not None:
+                for hook in list((leaf._backward_hooks or {}).values()):
+                    changed = hook(g)  # a tensor hook returns a new gradient or None
+                    if changed is not None:
+                        g = changed
+                g = _keepable(g, leaf, id(g) in self._shared)
                 self._accumulate(leaf, g)
                 record.gradients.append({"leaf": self._name(leaf),
                                          "shape": list(leaf.shape), "norm": self._norm(g)})
@@ -279,6 +295,54 @@ def _call(node: Node, buf: dict[int, Any], retain_graph: bool) -> tuple:
     if not retain_graph:
         node.metadata["nbrpc_released"] = True
     return out
+
+
+def _keepable(g: torch.Tensor, leaf: torch.Tensor, shared: bool) -> torch.Tensor:
+    """The gradient to store for ``leaf``, as PyTorch's ``AccumulateGrad``: ``g``
+    itself (no copy) unless it is ``shared`` (it also went to other edges) or
+    its layout breaks the leaf's contract; then a copy, laid out as the leaf.
+
+    >>> leaf = torch.zeros(2, 3, requires_grad=True)
+    >>> g = torch.ones(2, 3)
+    >>> _keepable(g, leaf, False) is g, _keepable(g, leaf, True) is g
+    (True, False)
+    >>> _keepable(torch.ones(3).expand(2, 3), leaf, False).stride()  # as the leaf
+    (3, 1)
+    """
+    if g.is_sparse:
+        if shared or not (g._indices().is_contiguous() and g._values().is_contiguous()):
+            return g.clone()
+        return g
+    if g.layout != torch.strided:
+        return g.clone()
+    if not shared and _obeys_layout(g, leaf):
+        return g
+    if _dense(leaf):
+        return torch.empty_strided(leaf.shape, leaf.stride(), dtype=g.dtype,
+                                   device=g.device).copy_(g)
+    return g.clone(memory_format=torch.contiguous_format)
+
+
+def _dense(t: torch.Tensor) -> bool:
+    """Non-overlapping and dense: the strides of the dims of size > 1, sorted,
+    are those of a contiguous layout (some permutation of the dims)."""
+    expected = 1
+    for stride, size in sorted((st, sz) for sz, st in zip(t.shape, t.stride()) if sz != 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def _obeys_layout(g: torch.Tensor, leaf: torch.Tensor) -> bool:
+    """PyTorch's layout contract: ``g`` strided as a dense ``leaf`` (dims of
+    size 1 aside), else contiguous."""
+    if leaf.is_sparse:
+        return False
+    if _dense(leaf):
+        return g.shape == leaf.shape and all(
+            sz == 1 or gs == ls for sz, gs, ls in zip(g.shape, g.stride(), leaf.stride()))
+    return g.is_contiguous()
 
 
 def _fit(g: torch.Tensor, node: Node, nr: int) -> torch.Tensor:

@@ -12,6 +12,11 @@ and ``select`` events (a click on a mark with ``data-key``), which reach
 :meth:`View.on_control` and :meth:`View.on_select`. A failure there is shown
 in the panel and logged; it never breaks the kernel.
 
+A refresh reaches the front end as one state message: every subclass's
+:meth:`View.refresh` runs under ``hold_sync`` and a per-view lock, so the
+browser never shows a new title over the old drawing, and a live tick and a
+click never interleave their trait updates.
+
 Markup that varies between runs of the same program (times, for example) is
 wrapped in ``<!--nbrpc:varies-->`` comments, which the notebooks' nbval
 sanitize file masks.
@@ -19,6 +24,7 @@ sanitize file masks.
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -64,7 +70,13 @@ class View(anywidget.AnyWidget):
     controls = traitlets.List().tag(sync=True)
     filters = traitlets.Dict().tag(sync=True)
 
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "refresh" in cls.__dict__:
+            cls.refresh = _in_one_message(cls.__dict__["refresh"])  # type: ignore[method-assign]
+
     def __init__(self, **kwargs: Any) -> None:
+        self._sync_lock = threading.RLock()  # before traitlets may call anything
         super().__init__(**kwargs)
         self._live: Live | None = None
         self.on_msg(self._on_front_end)
@@ -86,6 +98,10 @@ class View(anywidget.AnyWidget):
 
     # -- the front end's events ----------------------------------------------------
     def _on_front_end(self, _widget: Any, content: dict[str, Any], _buffers: Any) -> None:
+        with self._sync_lock, self.hold_sync():
+            self._handle(content)
+
+    def _handle(self, content: dict[str, Any]) -> None:
         try:
             if content.get("event") == "control":
                 self.on_control(str(content.get("id")), content.get("value"))
@@ -139,6 +155,17 @@ class View(anywidget.AnyWidget):
 
     def __repr__(self) -> str:
         return self.text()
+
+
+def _in_one_message(refresh: Callable[[View], None]) -> Callable[[View], None]:
+    """``refresh`` with its trait changes sent together, one refresh at a time."""
+
+    @functools.wraps(refresh)
+    def wrapped(self: View) -> None:
+        with self._sync_lock, self.hold_sync():
+            refresh(self)
+
+    return wrapped
 
 
 class Live:

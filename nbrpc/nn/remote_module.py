@@ -28,11 +28,25 @@ _NOT_SUPPORTED = (
 )
 
 
+# What travels when a RemoteModule is sent over RPC (as PyTorch's
+# _REMOTE_MODULE_PICKLED_ATTRIBUTES): an attribute added later stays here.
+_PICKLED_ATTRIBUTES = ("on", "device", "module_cls_name", "module_rref", "training")
+
+
 def _create_module(module_cls: Any, args: tuple, kwargs: dict) -> nn.Module:
     module = module_cls(*args, **kwargs)
-    if not isinstance(module, nn.Module):
-        raise TypeError(f"module_cls must build an nn.Module; {module_cls!r} built a "
-                        f"{type(module).__name__}")
+    if not isinstance(module, nn.Module):  # PyTorch's text first: code matches on it
+        raise ValueError(
+            "Expect `module_cls(*args, **kwargs)` returns an instance of <class nn.Module>, "
+            f"but it returns an instance of {type(module)}. Pass RemoteModule a subclass "
+            f"of torch.nn.Module (or a function that builds one), not {module_cls!r}.")
+    return module
+
+
+def _rebuild_remote_module(state: dict[str, Any]) -> RemoteModule:
+    module = RemoteModule.__new__(RemoteModule)
+    nn.Module.__init__(module)
+    module.__dict__.update(state)
     return module
 
 
@@ -74,7 +88,9 @@ class RemoteModule(nn.Module):
     ``remote_parameters()`` gives RRefs for :class:`~nbrpc.optim.DistributedOptimizer`;
     ``get_module_rref()`` the module itself. Inside a distributed autograd
     context the call is recorded, so gradients flow back through it.
-    ``train()``/``eval()`` switch the remote module's mode.
+    ``train()``/``eval()`` switch the remote module's mode. Sent over RPC, it
+    arrives as a RemoteModule of the same module (only its own attributes
+    travel, as in PyTorch: one set on it later does not).
 
     >>> import torch
     >>> from nbrpc.rpc.api import init_rpc, shutdown, _free_port_options
@@ -102,6 +118,30 @@ class RemoteModule(nn.Module):
         self.module_rref: RRef = remote(self.on, _create_module,
                                         (module_cls, tuple(args or ()), dict(kwargs or {})))
 
+    @staticmethod
+    def init_from_module_rref(remote_device: str, module_rref: RRef,
+                              _module_interface_cls: Any = None) -> RemoteModule:
+        """A RemoteModule for a module that already exists: ``module_rref`` (from
+        another RemoteModule's :meth:`get_module_rref`, or ``remote()``), e.g.
+        to share one module between several RemoteModules, on any worker.
+
+        Calls go to the RRef's owner, as in PyTorch; nbrpc also names that
+        worker in ``on`` and its repr (``remote_device`` only gives the device).
+        """
+        if _module_interface_cls is not None:
+            raise NotImplementedError(
+                "_module_interface_cls is for TorchScript, which nbrpc does not run; "
+                "leave it out (calls work on any nn.Module)")
+        _, device = parse_remote_device(remote_device)
+        if not isinstance(module_rref, RRef):
+            raise TypeError(f"module_rref must be an RRef to an nn.Module, got "
+                            f"{type(module_rref).__name__}")
+        module = RemoteModule.__new__(RemoteModule)
+        nn.Module.__init__(module)
+        module.on, module.device, module.module_rref = module_rref.owner_name(), device, module_rref
+        module.module_cls_name = "module"  # (its class is known on the owner only)
+        return module
+
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self.module_rref.rpc_sync().__call__(*args, **kwargs)
 
@@ -122,7 +162,7 @@ class RemoteModule(nn.Module):
                 f"pickled when using RPC: this one holds the module on {self.on!r} through an "
                 "RRef, which only an RPC can hand over. Send it as an argument or result of "
                 "rpc_sync/rpc_async/remote, or save get_module_rref().to_here().")
-        return super().__reduce_ex__(protocol)
+        return _rebuild_remote_module, ({k: self.__dict__[k] for k in _PICKLED_ATTRIBUTES},)
 
     def train(self, mode: bool = True) -> RemoteModule:
         rpc_sync(self.on, _set_training, (self.module_rref, mode))

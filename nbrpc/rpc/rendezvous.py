@@ -4,6 +4,10 @@ The coordinator (rank 0) binds its agent's socket at the rendezvous address
 (env, tcp) or at a free port that it writes, with the group key, into the
 rendezvous file (file). Everyone else joins it there.
 
+For ``file:///PATH`` that file is ``PATH.nbrpc``, beside ``PATH`` and not in
+it: programs (PyTorch's tests among them) give ``init_process_group`` the
+same ``file://`` URL, and c10d's ``FileStore`` owns ``PATH`` and its format.
+
 The group key signs every message, and a message signed with it is
 unpickled, so whoever can compute it can run code on every rank. It is
 therefore always a secret:
@@ -63,6 +67,7 @@ from ..transport import new_key
 
 log = logging.getLogger(__name__)
 
+RECORD_SUFFIX = ".nbrpc"  # file:///PATH: rank 0 publishes in PATH.nbrpc
 KEY_ENV = "NBRPC_SECRET_KEY"
 KEY_FILE_ENV = "NBRPC_KEY_FILE"
 HOST_ENV = "NBRPC_HOST"  # interface to bind on non-coordinators (multi-host)
@@ -87,6 +92,8 @@ def parse(init_method: str, rank: int) -> Rendezvous:
     >>> import os; os.environ.update(MASTER_ADDR="localhost", MASTER_PORT="29512")
     >>> r = parse("env://", 0); (r.bind_host, r.bind_port)
     ('127.0.0.1', 29512)
+    >>> parse("file:///tmp/rdv", 1).file  # beside c10d's FileStore, never in it
+    '/tmp/rdv.nbrpc'
     """
     url = urlparse(init_method)
     if url.scheme == "env":
@@ -105,7 +112,7 @@ def parse(init_method: str, rank: int) -> Rendezvous:
         if not path:
             raise RendezvousError(f"init_method {init_method!r} needs a path: file:///tmp/somefile")
         host = os.environ.get(HOST_ENV, "127.0.0.1")
-        return Rendezvous(None, host, 0, b"", file=path)
+        return Rendezvous(None, host, 0, b"", file=path + RECORD_SUFFIX)
     raise RendezvousError(
         f"unsupported init_method {init_method!r}; use env://, tcp://HOST:PORT or file:///PATH")
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import sys
+import threading
 import time
 import warnings
 import weakref
@@ -104,6 +105,9 @@ class RRefContext:
         self.live: weakref.WeakSet = weakref.WeakSet()  # RRef objects made here
         self._releases: deque = deque()  # ("user", fork) | ("owner", rref_id)
         self.retries = 0
+        # forks received in a request whose owner has not answered yet: the
+        # request's function runs once they are settled (see await_fork)
+        self._fork_waits: dict[ForkId, threading.Event] = {}
         self.gave_up = 0
 
     def live_objects(self) -> list:
@@ -155,6 +159,7 @@ class RRefContext:
         if t is ForkRequest:
             self._event("confirmed", msg.rref_id, msg.fork_id, rank)
             self.send(self.state.on_confirmed(msg.fork_id))
+            self._fork_settled(msg.fork_id)
         elif t is Delete:
             self.state.on_delete_done(msg.fork_id)
 
@@ -168,9 +173,21 @@ class RRefContext:
         t = type(msg)
         if t is ForkRequest:
             self.send(self.state.on_failed(msg.fork_id))
+            self._fork_settled(msg.fork_id)
         elif t is Delete:
             self.state.on_delete_done(msg.fork_id)
         self._event("errored", msg.rref_id, msg.fork_id, rank, why)
+
+    def await_fork(self, fork: ForkId) -> threading.Event:
+        """An event set once the owner has answered the registration of
+        ``fork`` (or it failed). Taken before the ForkRequest goes out."""
+        ev = self._fork_waits[fork] = threading.Event()
+        return ev
+
+    def _fork_settled(self, fork: ForkId) -> None:
+        ev = self._fork_waits.pop(fork, None)
+        if ev is not None:
+            ev.set()
 
     # -- creation --------------------------------------------------------------------
     def creation_hook(self, rref_id: RRefId, fork: ForkId, owner: int) -> Any:
@@ -209,6 +226,7 @@ class RRefContext:
                     lambda f: _settle(entry.value, f))
                 return None
         except BaseException as e:  # stored: to_here(), proxies and forks re-raise it
+            self.agent.user_error(msg.op, sender, e)
             self._event("errored", msg.rref_id, msg.fork_id, sender, f"{type(e).__name__}: {e}")
             _set(entry.value, error=detach(e))
             return None

@@ -284,6 +284,8 @@ def _rebuild_rref(rref_id: RRefId, owner: int, fork: ForkId | None, parent: int,
         ctx.send(ctx.state.came_home(rref_id, fork, parent))
         return rref
     rref = RRef._new(agent, owner, site, rref_id, fork)
+    if not from_owner:  # as PyTorch: a request's function runs once the owner knows
+        wire.run_after(ctx.await_fork(fork))  # of its user RRefs (confirmed_by_owner())
     ctx.send(ctx.state.user_arrived(rref_id, owner, fork, parent, from_owner, site))
     return rref
 
