@@ -62,7 +62,8 @@ def test_remote_fork_and_delete_as_the_view_sees_them(trio_default) -> None:
 
     busy = a.rpc_async("c", hold, (r, 0.6))  # c holds a fork while the call runs
     assert poll_for(lambda: set(holders(view, rid, refresh=True)) == {"a", "c"})
-    assert "held by a, c; ready" in view.text()
+    # (c's fork may show as pending until c hears the owner's answer)
+    assert poll_for(lambda: fresh(view) and "held by a, c; ready" in view.text()), view.text()
     assert view.html.count("fork ") >= 2  # one line per fork, with a hover title
     assert busy.wait() == 1
     del r, busy

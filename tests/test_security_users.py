@@ -247,13 +247,17 @@ print(json.dumps({"uid": os.getuid()}))
 """
 
 
-def _file_options(path: Path) -> rpc.TensorPipeRpcBackendOptions:
-    return rpc.TensorPipeRpcBackendOptions(init_method=f"file://{path}", rpc_timeout=5)
+def _file_options(record: Path) -> rpc.TensorPipeRpcBackendOptions:
+    """file:///X for the rendezvous file ``record`` (X.nbrpc: nbrpc publishes beside
+    X, which c10d's FileStore may use)."""
+    assert record.name.endswith(".nbrpc")
+    return rpc.TensorPipeRpcBackendOptions(init_method=f"file://{str(record)[:-6]}",
+                                           rpc_timeout=5)
 
 
 def test_squatted_rendezvous_file_is_refused_by_every_rank(attacker: Attacker,
                                                            arena: Path) -> None:
-    path = arena / "rendezvous"
+    path = arena / "rendezvous.nbrpc"  # the file rank 0 publishes
     assert attacker.run(SQUAT, path)["uid"] == attacker.uid
     planted = path.read_bytes()
     for rank in (1, 0):
@@ -296,7 +300,7 @@ except OSError as e:
 
 def test_symlinks_at_temporary_names_do_not_receive_the_key(attacker: Attacker,
                                                             arena: Path) -> None:
-    path = arena / "rendezvous"
+    path = arena / "rendezvous.nbrpc"  # the file rank 0 publishes
     loot = Path(attacker.run(PLANT, path, os.getpid(), 0)["loot"])
     rpc.init_rpc("victim0", rank=0, world_size=None, rpc_backend_options=_file_options(path))
     try:
@@ -311,7 +315,7 @@ def test_symlinks_at_temporary_names_do_not_receive_the_key(attacker: Attacker,
 
 
 def test_symlink_at_the_rendezvous_path_is_refused(attacker: Attacker, arena: Path) -> None:
-    path = arena / "rendezvous"
+    path = arena / "rendezvous.nbrpc"  # the file rank 0 publishes
     loot = Path(attacker.run(PLANT, path, os.getpid(), 1)["loot"])
     planted = loot.read_bytes()
     with pytest.raises(RendezvousError, match="symbolic link"):
