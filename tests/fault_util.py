@@ -71,7 +71,7 @@ def health() -> tuple[list[int], int, int]:
     """(member ranks, times this agent took someone back, deaths it saw)."""
     agent = current_agent()
     deaths = sum(e["event"] == "member-dead" for e in agent.events.records(None))
-    return sorted(agent._members), agent.readmitted, deaths
+    return agent.member_ranks(), agent.readmitted, deaths
 
 
 class GilTicker:

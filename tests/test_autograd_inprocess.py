@@ -317,7 +317,7 @@ def test_contexts_reached_through_a_dead_worker_are_released(group) -> None:
         rpc_sync("b", relay, (make_param(1, 2), "c", "d"))  # a -> b -> c -> d
         assert poll_for(lambda: all(ag.ext["autograd"].contexts for ag in (b, c, d)))
         b._stop_local()  # b dies: it alone knew c
-        assert poll_for(lambda: b.rank not in a._members, timeout=5)
+        assert poll_for(lambda: b.rank not in a.members, timeout=5)
     assert poll_for(lambda: not c.ext["autograd"].contexts and not d.ext["autograd"].contexts)
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from nbrpc.agent.group import Coordinator
 from nbrpc.agent.messages import (
     DrainReport,
@@ -159,3 +161,25 @@ def test_a_member_rejoining_is_answered_not_refused_as_a_duplicate() -> None:
     out = c.on_join(Join(m("w1", 1), 3))  # it thought it was dropped; it was not
     assert out == [(1, Members(c.table()))]
     assert c.on_join(Join(Member("w1", 1, "tcp://127.0.0.1:9"), 3))[0][1].error  # not it
+
+
+def test_the_member_table_follows_renames_restarts_and_departures() -> None:
+    from nbrpc.agent.members import MemberTable
+    from nbrpc.errors import UnknownWorkerError, WorkerGoneError
+
+    t = MemberTable()
+    t.add(Member("a", 0, "tcp://127.0.0.1:1"))
+    t.add(Member("b", 1, "tcp://127.0.0.1:2"))
+    t.add(Member("b2", 1, "tcp://127.0.0.1:3"))  # rank 1 rejoined under a new name
+    assert t.ranks() == [0, 1] and t.peer_name(1) == "b2" and sorted(t.by_name) == ["a", "b2"]
+    with pytest.raises(UnknownWorkerError, match="'b'"):
+        t.resolve("b")
+    assert t.remove(1, "died (its connection closed)").name == "b2" and 1 not in t
+    assert t.remove(1, "again") is None and t.gone_why(1) == "died (its connection closed)"
+    assert t.rank_of("b2") == 1 and t.rank_of("a") == 0 and t.rank_of("zz") is None
+    with pytest.raises(WorkerGoneError, match="'b2' died"):
+        t.resolve(1)
+    t.add(Member("b2", 1, "tcp://127.0.0.1:4"))  # restarted: a member again
+    assert t.gone_why(1) is None and t.resolve("b2").address.endswith(":4") and len(t) == 2
+    with pytest.raises(TypeError, match="a worker name, a rank or a WorkerInfo"):
+        t.resolve(1.5)

@@ -383,14 +383,14 @@ def test_dynamic_group_members_join_and_leave() -> None:
         late = Agent("w2", 2, lead._key, world_size=None,
                      options=AgentOptions(num_worker_threads=2, **fast))
         late.start(lead.address, 5)
-        assert poll_for(lambda: "w2" in w1._by_name)
+        assert poll_for(lambda: "w2" in w1.members.by_name)
         assert w1.rpc_async("w2", whoami).wait() == "w2"
         assert lead.rpc_async("w2", whoami).wait() == "w2"  # the coordinator calls it too
         time.sleep(3 * lead.options.failure_timeout / 2)  # heartbeats flow both ways
         assert late.state == "ready" and lead.is_member(2) and late.is_member(0)
         late.shutdown()
-        assert poll_for(lambda: "w2" not in w1._by_name and "w2" not in lead._by_name), (
-            sorted(w1._by_name), sorted(lead._by_name), dict(lead.io.dropped),
+        assert poll_for(lambda: "w2" not in w1.members.by_name and "w2" not in lead.members.by_name), (
+            sorted(w1.members.by_name), sorted(lead.members.by_name), dict(lead.io.dropped),
             lead.events.records(30))
         with pytest.raises(WorkerGoneError, match="'w2' left the group"):
             w1.rpc_async("w2", whoami)  # a former member: named, and why

@@ -38,7 +38,7 @@ def unpicklable():
 
 def _tables_full(agents: list[Agent]) -> bool:
     ranks = {a.rank for a in agents}
-    return all(set(a._members) == ranks and a.state == "ready" for a in agents)
+    return all(set(a.member_ranks()) == ranks and a.state == "ready" for a in agents)
 
 
 def test_a_stopped_process_is_noticed_by_its_connection_not_the_long_timeout() -> None:
@@ -50,7 +50,7 @@ def test_a_stopped_process_is_noticed_by_its_connection_not_the_long_timeout() -
         with pytest.raises(WorkerGoneError, match=r"'b' died \(its connection closed\)"):
             fut.wait()
         assert time.monotonic() - t0 < 2.5
-        assert poll_for(lambda: "b" not in c._by_name, timeout=3)
+        assert poll_for(lambda: "b" not in c.members.by_name, timeout=3)
         assert a.rpc_async("c", add, (1, 2)).wait() == 3
 
 
@@ -79,7 +79,7 @@ def test_a_busy_coordinator_loses_nobody() -> None:
 def test_a_member_wrongly_declared_dead_is_taken_back() -> None:
     with local_group(["a", "b", "c"], heartbeat_interval=0.2, failure_timeout=1.0) as (a, b, c):
         b.io.call_soon(time.sleep, 2.5)  # longer than failure_timeout
-        assert poll_for(lambda: "b" not in a._by_name, timeout=3)  # suspected: evicted
+        assert poll_for(lambda: "b" not in a.members.by_name, timeout=3)  # suspected: evicted
         assert poll_for(lambda: _tables_full([a, b, c]), timeout=5)  # and back
         assert a.readmitted + b.readmitted >= 1
         assert a.rpc_async("b", add, (2, 3)).wait() == 5
@@ -90,7 +90,7 @@ def test_a_member_wrongly_declared_dead_is_taken_back() -> None:
 def test_members_rejoin_a_coordinator_they_gave_up_on() -> None:
     with local_group(["a", "b", "c"], heartbeat_interval=0.2, failure_timeout=1.0) as (a, b, c):
         a.io.call_soon(time.sleep, 2.5)
-        assert poll_for(lambda: 0 not in b._members and 0 not in c._members, timeout=3)
+        assert poll_for(lambda: 0 not in b.members and 0 not in c.members, timeout=3)
         assert poll_for(lambda: _tables_full([a, b, c]), timeout=5)
         assert b.readmitted >= 1 and c.readmitted >= 1
         assert b.rpc_async("a", add, (1, 1)).wait() == 2

@@ -279,7 +279,7 @@ def test_owner_death_fails_rref_operations_promptly() -> None:
         assert r.to_here().tag == "dies"
         b.shutdown(graceful=False)  # stops answering, as a killed process would
         t0 = time.monotonic()
-        assert poll_for(lambda: "b" not in a._by_name, timeout=3)
+        assert poll_for(lambda: "b" not in a.members.by_name, timeout=3)
         assert time.monotonic() - t0 < 2
         with pytest.raises(WorkerGoneError, match=r"'b' died.*owned RRef"):
             r.to_here()

@@ -169,7 +169,7 @@ def test_hostile_input_is_dropped_unread_and_costs_nothing_lasting() -> None:
                                      "too large"}, dict(b.io.dropped)
         assert a.rpc_async("b", add, (5, 5), timeout=10).wait() == 10
         assert b.rpc_async("a", add, (6, 6), timeout=10).wait() == 12
-        assert "b" in a._by_name and "a" in b._by_name
+        assert "b" in a.members.by_name and "a" in b.members.by_name
         gc.collect()
         threads1, fds1, rss1 = threading.active_count(), _fds(), _rss()
         print(f"\nfuzz: {sent} hostile messages in {fuzz_s:.1f} s "

@@ -48,7 +48,6 @@ from ..errors import (
     RpcTimeoutError,
     SerializationError,
     ShutdownError,
-    UnknownWorkerError,
     WorkerGoneError,
 )
 from ..serialize import current_context, dumps, loads, parallel_copy
@@ -60,6 +59,7 @@ from .events import EventLog
 from .faults import FaultPlan
 from .futures import RpcFuture, outcome
 from .group import Coordinator, WorkerInfo, check_worker_name
+from .members import MemberTable
 from .messages import (
     CONTROL,
     INLINE,
@@ -285,9 +285,7 @@ class Agent:
         self.state = "new"
         self._pending: dict[int, _Pending] = {}
         self._ids = itertools.count(1)
-        self._members: dict[int, Member] = {}
-        self._by_name: dict[str, Member] = {}
-        self._gone: dict[int, tuple[str, str]] = {}  # rank -> (name, why): died or left
+        self.members = MemberTable()
         self._coordinator = Coordinator(world_size) if rank == 0 else None
         self._joined = threading.Event()
         # Requests that arrived before this agent had the member table (a peer
@@ -388,7 +386,7 @@ class Agent:
                 gcfreeze.thaw()  # (a frozen garbage cycle would hold them)
                 gc.collect()  # (40 ms with torch loaded: only when asked)
             try:
-                if self.rank != 0 and 0 not in self._members:  # the coordinator died
+                if self.rank != 0 and 0 not in self.members:  # the coordinator died
                     self._wait_local_idle(deadline, limit)
                     self._run_shutdown_hooks(leak_check)
                 elif self.world_size is None:
@@ -438,7 +436,7 @@ class Agent:
             p = self._pending.pop(mid, None)
             if p is not None and not p.future.done():
                 p.settle(error=ShutdownError(
-                    f"{self.name!r} shut down before {self._peer_name(p.peer)!r} answered"))
+                    f"{self.name!r} shut down before {self.peer_name(p.peer)!r} answered"))
         if _Default.agent is self:
             _Default.agent = None
 
@@ -474,46 +472,32 @@ class Agent:
     def _adopt_thread(self) -> None:
         _local.agent = self
 
-    # -- members -------------------------------------------------------------
+    # -- members (the table is .members; the side effects are here) -------------
     def resolve(self, to: Any) -> Member:
         """The member a destination (name, rank or WorkerInfo) names."""
-        if isinstance(to, str):
-            m = self._by_name.get(to)
-        elif isinstance(to, int) and not isinstance(to, bool):
-            m = self._members.get(to)
-        elif hasattr(to, "name") and hasattr(to, "id"):
-            m = self._by_name.get(to.name)
-        else:
-            raise TypeError(
-                f"a destination is a worker name, a rank or a WorkerInfo; got {type(to).__name__}")
-        if m is None:
-            for rank, (name, why) in list(self._gone.items()):  # a former member
-                if to in (name, rank) or getattr(to, "name", None) == name:
-                    raise WorkerGoneError(name, why)
-            raise UnknownWorkerError(to, self._by_name)
-        return m
+        return self.members.resolve(to)
 
     def worker_infos(self) -> list[WorkerInfo]:
-        return [WorkerInfo(m.name, m.rank) for m in sorted(self._members.values(), key=lambda m: m.rank)]
+        return self.members.infos()
 
-    def _peer_name(self, rank: int) -> str:
-        m = self._members.get(rank)
-        if m is not None:
-            return m.name
-        gone = self._gone.get(rank)
-        return gone[0] if gone else f"rank{rank}"
+    def peer_name(self, rank: int) -> str:
+        """The name of ``rank`` (a member's, a former member's, else ``rank<N>``)."""
+        return self.members.peer_name(rank)
+
+    def member_ranks(self) -> list[int]:
+        """The current members' ranks, sorted."""
+        return self.members.ranks()
+
+    def rank_of(self, name: str) -> int | None:
+        """The rank of the member (or former member) called ``name``, or None."""
+        return self.members.rank_of(name)
 
     def _set_members(self, members: tuple[Member, ...]) -> None:
         for m in members:
             self._add_member(m)
 
     def _add_member(self, m: Member) -> None:
-        old = self._members.get(m.rank)
-        if old is not None and old.name != m.name:
-            self._by_name.pop(old.name, None)
-        self._members[m.rank] = m
-        self._by_name[m.name] = m
-        self._gone.pop(m.rank, None)  # restarted under the same rank
+        self.members.add(m)
         if m.rank != self.rank:
             self.io.set_address(m.rank, m.address)
 
@@ -525,24 +509,21 @@ class Agent:
             raise RuntimeError(f"only the coordinator (rank 0) can expel a member, not {self.name!r}")
 
         def run() -> None:
-            if rank in self._members and rank != self.rank:
+            if rank in self.members and rank != self.rank:
                 self._dispatch(self._coordinator.on_leave(rank, dead=dead, why=why))
                 self._remove_member(rank, dead=dead, why=why)
 
         self.io.call_soon(run)
 
     def _remove_member(self, rank: int, dead: bool = False, why: str | None = None) -> None:
-        m = self._members.pop(rank, None)
-        if m is None:
-            return
         why = why or ("died (no heartbeat for "
                       f"{self.options.failure_timeout:g} s)" if dead else "left the group")
-        self._gone[rank] = (m.name, why)
+        m = self.members.remove(rank, why)
+        if m is None:
+            return
         (log.warning if dead else log.info)("nbrpc agent %r: worker %r (rank %d) %s",
                                             self.name, m.name, rank, why)
         self.events.add("member-dead" if dead else "member-left", "", m.name, 0, 0)
-        if self._by_name.get(m.name) is m:
-            self._by_name.pop(m.name, None)
         self.io.forget(rank)
         for mid, p in list(self._pending.items()):
             if p.peer == rank and self._pending.pop(mid, None) is not None:
@@ -564,12 +545,11 @@ class Agent:
 
     def is_member(self, rank: int) -> bool:
         """Whether ``rank`` is in this agent's current member table."""
-        return rank in self._members
+        return rank in self.members
 
     def gone_why(self, rank: int) -> str | None:
         """Why ``rank`` is no longer a member ("died (no heartbeat ...)"), or None."""
-        gone = self._gone.get(rank)
-        return gone[1] if gone else None
+        return self.members.gone_why(rank)
 
     @property
     def sent(self) -> int:
@@ -633,7 +613,7 @@ class Agent:
                 self._sent[peer] -= 1
             wire.unsent()
             raise
-        self.events.add("send", msg.op, self._peer_name(peer), mid, nbytes, None, _what(msg))
+        self.events.add("send", msg.op, self.peer_name(peer), mid, nbytes, None, _what(msg))
         return fut
 
     def _inject(self, fault: tuple[str, float], peer: int, kind: int, mid: int,
@@ -652,7 +632,7 @@ class Agent:
         return 0
 
     def _send_late(self, peer: int, kind: int, mid: int, payload: bytes, buffers: list) -> None:
-        if self.state in ("ready", "stopping") and peer in self._members:
+        if self.state in ("ready", "stopping") and peer in self.members:
             self.io.send(peer, kind, mid, payload, buffers)
 
     def _io_ident(self) -> int | None:
@@ -663,7 +643,7 @@ class Agent:
         if p is None:
             return
         self.timeouts += 1
-        name = self._peer_name(p.peer)
+        name = self.peer_name(p.peer)
         self.events.add("timeout", p.op, name, mid, 0, time.perf_counter() - p.started)
         self._settle(p, error=RpcTimeoutError(f"RPC {p.op!r}", timeout, worker=name))
 
@@ -690,7 +670,7 @@ class Agent:
             return
         if p.timer is not None:
             self.io.cancel(p.timer)
-        name = self._peer_name(p.peer)
+        name = self.peer_name(p.peer)
         self.events.add("recv", p.op, name, env.msg_id, len(env.payload),
                         time.perf_counter() - p.started)
         try:
@@ -711,7 +691,7 @@ class Agent:
     def _discard(self, env: Envelope) -> None:
         """A late reply is still unpickled, then dropped: RRefs forked into it
         must be received (and released) for their parents to let go."""
-        if env.sender not in self._members:
+        if env.sender not in self.members:
             return
         try:
             loads(env.payload, env.buffers, Wire(self, env.sender))
@@ -793,7 +773,7 @@ class Agent:
         if getattr(e, "remote_worker", None):  # raised further away: logged there
             return
         log.warning("nbrpc agent %r: %s from %r raised %s: %s", self.name, op,
-                    self._peer_name(sender), type(e).__name__, e)
+                    self.peer_name(sender), type(e).__name__, e)
         log.debug("the traceback", exc_info=e)
 
     def _reply_future(self, env: Envelope, f: torch.futures.Future, op: str, started: float,
@@ -835,7 +815,7 @@ class Agent:
             wire.unsent()
             raise
         self.events.add("serve" if type(reply) is Ok else "serve-error", op,
-                        self._peer_name(env.sender), env.msg_id, nbytes,
+                        self.peer_name(env.sender), env.msg_id, nbytes,
                         time.perf_counter() - started)
 
     def _handle_call(self, msg: Call, sender: int) -> Any:
@@ -953,9 +933,9 @@ class Agent:
                 why = self._death(now, down.get(rank))
                 self._dispatch(self._coordinator.on_leave(rank, dead=True, why=why))
                 self._remove_member(rank, dead=True, why=why)
-            self._dispatch([(rank, beat) for rank in self._members if rank != 0])
+            self._dispatch([(rank, beat) for rank in self.members.ranks() if rank != 0])
             return
-        if 0 not in self._members:
+        if 0 not in self.members:
             return  # declared dead: its heartbeat, if it comes, takes it back
         if stalled or not self._coordinator_seen:
             self._coordinator_seen = now
@@ -983,7 +963,7 @@ class Agent:
                             "taking it back", self.name, m.name, m.rank)
                 self.readmitted += 1
                 self._on_join(Join(m, beat.world_size))
-        elif m.rank == 0 and 0 not in self._members and self.state == "ready":
+        elif m.rank == 0 and 0 not in self.members and self.state == "ready":
             log.warning("nbrpc agent %r: the coordinator %r is alive after all; joining "
                         "it again", self.name, m.name)
             self.readmitted += 1
@@ -1022,7 +1002,7 @@ class Agent:
             "state": self.state,
             "world_size": self.world_size,
             "members": [{"name": m.name, "rank": m.rank, "address": m.address}
-                        for m in sorted(self._members.values(), key=lambda m: m.rank)],
+                        for m in self.members.members()],
             "counters": {
                 "requests_sent": self.sent,
                 "requests_served": self.served,
@@ -1043,7 +1023,7 @@ class Agent:
                 "queued": self.pool.queued,
             },
             "in_flight": [
-                {"msg_id": mid, "op": p.op, "peer": self._peer_name(p.peer),
+                {"msg_id": mid, "op": p.op, "peer": self.peer_name(p.peer),
                  "age": now - p.started}
                 for mid, p in list(self._pending.items())
             ],

@@ -267,7 +267,7 @@ def handle_grads(msg: Grads, sender: int) -> Any:
     ctx = contexts_of(agent).get(msg.ctx_id)
     lp = ctx.new_pass(agent.name, msg.pass_id, msg.retain_graph, norms=msg.step)
     origin = sender if msg.origin is None else msg.origin
-    trigger = f"grads for send #{msg.msg_id & 0xFFFF} from {agent._peer_name(origin)}"
+    trigger = f"grads for send #{msg.msg_id & 0xFFFF} from {agent.peer_name(origin)}"
     return _serve_stage(agent, ctx, lp, msg, trigger,
                         lambda p: p.receive(msg.msg_id, msg.grads))
 
@@ -336,7 +336,8 @@ def run_backward(agent: Agent, ctx_id: int, roots: Any, retain_graph: bool = Fal
         abort_everywhere(agent, ctx, pass_id, lp.failed)
         if isinstance(e, Exception) and not isinstance(e, NbrpcError):  # a stage raised
             worker = getattr(e, "remote_worker", None) or agent.name
-            rank = agent._by_name[worker].rank if worker in agent._by_name else agent.rank
+            rank = agent.rank_of(worker)
+            rank = agent.rank if rank is None else rank
             raise BackwardStageError(rank, worker, e, ctx_id) from e
         if hasattr(e, "add_note"):
             e.add_note(f"(in the distributed backward pass of autograd context {ctx_id})")
@@ -355,7 +356,7 @@ def abort_everywhere(agent: Agent, ctx: AutogradContext, pass_id: tuple[int, int
     targets = ctx.known - told - {agent.rank}
     told = frozenset(told | ctx.known | {agent.rank})
     for rank in sorted(targets):
-        if rank in agent._members:
+        if rank in agent.members:
             contexts_of(agent).tell(rank, Abort(ctx.id, pass_id, reason, told))
 
 
@@ -395,10 +396,10 @@ def graph_data(agent: Agent, ctx: AutogradContext,
 
     with ctx.lock:
         root_ids = [visit(edge(r)[0]) for r in roots or ()]
-        sends = [{"msg_id": m, "to": agent._peer_name(s.peer),
+        sends = [{"msg_id": m, "to": agent.peer_name(s.peer),
                   "enters": [visit(edge(t)[0]) for t in s.tensors]}
                  for m, s in ctx.sends.items()]
-        recvs = [{"msg_id": m, "from": agent._peer_name(r.peer),
+        recvs = [{"msg_id": m, "from": agent.peer_name(r.peer),
                   "leaves": [ids.get(edge(t)[0]) if t.requires_grad else None
                              for t in r.tensors]}
                  for m, r in ctx.recvs.items()]

@@ -252,7 +252,7 @@ class Contexts(Propagator):
         if ctx is None:
             return
         agent = self.agent
-        members = set(agent._members) - {agent.rank}
+        members = set(agent.member_ranks()) - {agent.rank}
         targets = (ctx.known - told - {agent.rank}) & members
         if any(r not in members for r in ctx.known - {agent.rank}):
             targets = members - told
@@ -265,7 +265,7 @@ class Contexts(Propagator):
     def _spread_release(self, msg: Release) -> None:
         """A Release found its worker dead: it may have known others, so tell all."""
         agent = self.agent
-        everyone = set(agent._members) - {agent.rank}
+        everyone = set(agent.member_ranks()) - {agent.rank}
         told = frozenset(msg.told | everyone)
         for rank in sorted(everyone - msg.told):
             self.tell(rank, Release(msg.ctx_id, told))
@@ -291,13 +291,13 @@ class Contexts(Propagator):
         why = self.agent.gone_why(rank) or "left the group"
         for waiter in list(self.waiters.values()):
             if rank in waiter.known:
-                waiter.give_back(0, rank, False, WorkerGoneError(self.agent._peer_name(rank), why))
+                waiter.give_back(0, rank, False, WorkerGoneError(self.agent.peer_name(rank), why))
         for ctx_id in [c for c in list(self.contexts) if c >> RANK_SHIFT == rank]:
             self.agent.pool.submit(self.release, ctx_id, frozenset({rank}))
 
     # -- observability ------------------------------------------------------------------------
     def snapshot(self) -> list[dict[str, Any]]:
-        return [ctx.snapshot(self.agent._peer_name) for ctx in list(self.contexts.values())]
+        return [ctx.snapshot(self.agent.peer_name) for ctx in list(self.contexts.values())]
 
 
 @dataclass(frozen=True, slots=True)

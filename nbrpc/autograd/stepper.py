@@ -80,7 +80,7 @@ class BackwardStepper:
     @property
     def pending(self) -> list[dict[str, Any]]:
         """The stages ready to run, in the order ``step()`` takes them."""
-        return [{"worker": self._agent._peer_name(s.rank), "trigger": self._trigger(s)}
+        return [{"worker": self._agent.peer_name(s.rank), "trigger": self._trigger(s)}
                 for s in self._queue]
 
     @property
@@ -139,7 +139,7 @@ class BackwardStepper:
             msg: Any = Flush(self.context_id, self.pass_id, self.retain_graph, step=True)
             answer = agent.request(stage.rank, msg).wait()
             if answer is None:
-                return {"worker": agent._peer_name(stage.rank), "trigger": "flush",
+                return {"worker": agent.peer_name(stage.rank), "trigger": "flush",
                         "nodes": [], "gradients": [], "sent": [], "blocked": 0}, []
             return answer
         msg = Grads(self.context_id, self.pass_id, stage.msg_id, stage.grads,
@@ -149,7 +149,7 @@ class BackwardStepper:
     def _trigger(self, s: _Stage) -> str:
         if s.kind != "grads":
             return s.kind
-        return f"grads for send #{s.msg_id & 0xFFFF} from {self._agent._peer_name(s.sender)}"
+        return f"grads for send #{s.msg_id & 0xFFFF} from {self._agent.peer_name(s.sender)}"
 
     def reset(self) -> None:
         """Start the same backward pass over: clear the context's gradients on
@@ -191,7 +191,7 @@ class BackwardStepper:
         agent = self._agent
         workers: dict[str, dict[str, Any]] = {}
         todo, seen = [agent.rank], {agent.rank}
-        for _ in range(len(agent._members) + 1):  # breadth first over known workers
+        for _ in range(len(agent.members) + 1):  # breadth first over known workers
             if not todo:
                 break
             nxt = []
@@ -205,7 +205,7 @@ class BackwardStepper:
                         log.info("no graph from rank %d: %s", rank, e)
                         continue
                 workers[data["worker"]] = data
-                nxt += [r for r in data["known"] if r not in seen and r in agent._members]
+                nxt += [r for r in data["known"] if r not in seen and r in agent.members]
                 seen.update(data["known"])
             todo = nxt
         return workers

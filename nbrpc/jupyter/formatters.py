@@ -127,7 +127,7 @@ def _pending_call(fut: Any) -> str:
         return ""
     for p in list(pending.values())[:100_000]:  # bounded: the calls in flight
         if p.future is fut:
-            return f"{p.op} to {agent._peer_name(p.peer)}"
+            return f"{p.op} to {agent.peer_name(p.peer)}"
     return ""
 
 

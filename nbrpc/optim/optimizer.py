@@ -100,7 +100,7 @@ class DistributedOptimizer:
         per_owner: dict[int, list[RRef]] = {}
         for p in params_rref:
             per_owner.setdefault(p.owner().id, []).append(p)
-        futs = {agent._peer_name(owner): agent.rpc_async(
+        futs = {agent.peer_name(owner): agent.rpc_async(
                     owner, _new_local_optimizer, (optimizer_class, rrefs, args, kwargs))
                 for owner, rrefs in sorted(per_owner.items())}
         self.remote_optimizers: list[RRef] = list(_gather("creating the optimizers", futs)

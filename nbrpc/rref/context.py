@@ -126,7 +126,7 @@ class RRefContext:
 
     def _send(self, rank: int, msg: Any, attempt: int) -> None:
         agent = self.agent
-        if agent.state not in ("ready", "stopping") or rank not in agent._members:
+        if agent.state not in ("ready", "stopping") or rank not in agent.members:
             self._give_up(rank, msg, agent.gone_why(rank) or f"agent is {agent.state}")
             return
         timeout = min(agent.options.control_retry * 2 ** attempt, MAX_RETRY_INTERVAL)
@@ -166,7 +166,7 @@ class RRefContext:
     def _give_up(self, rank: int, msg: Any, why: str) -> None:
         """A protocol message that cannot be delivered: settle our side of it."""
         self.gave_up += 1
-        gone = rank not in self.agent._members
+        gone = rank not in self.agent.members
         (log.debug if gone else log.warning)(
             "%s for RRef %s to rank %d not delivered: %s", type(msg).__name__,
             msg.rref_id, rank, why)
@@ -198,7 +198,7 @@ class RRefContext:
                 why = f"{type(e).__name__}: {e}"
                 self._event("errored", rref_id, fork, owner, why)
                 self.send(self.state.on_failed(fork))
-                if owner in self.agent._members:  # forks of it fail too, promptly
+                if owner in self.agent.members:  # forks of it fail too, promptly
                     try:
                         self.agent.request(owner, CancelFetch(rref_id, why))
                     except Exception as err:  # the owner went meanwhile: nothing waits
@@ -346,7 +346,7 @@ class RRefContext:
 
     def leak_report(self) -> list[dict[str, Any]]:
         """RRefs alive here: user forks still held, owned values still referenced."""
-        name = self.agent._peer_name
+        name = self.agent.peer_name
         out = []
         for u in list(self.state.users.values()):
             if not u.released:
@@ -361,12 +361,12 @@ class RRefContext:
     # -- inspection ---------------------------------------------------------------------
     def _event(self, what: str, rref_id: RRefId, fork: ForkId | None, peer: int,
                detail: str = "") -> None:
-        self.agent.events.add(f"rref-{what}", str(rref_id), self.agent._peer_name(peer), 0, 0,
+        self.agent.events.add(f"rref-{what}", str(rref_id), self.agent.peer_name(peer), 0, 0,
                               detail=detail or (str(fork) if fork else ""))
 
     def snapshot(self) -> dict[str, Any]:
         now = time.time()
-        name = self.agent._peer_name
+        name = self.agent.peer_name
         st = self.state
         children: dict[RRefId, list] = {}
         for c in list(st.children.values()):

@@ -142,21 +142,21 @@ class RRef(Generic[T]):
             return "owner"
         user = self._ctx.state.users.get(self._fork)
         if user is None:
-            return "released" if self._owner in self._agent._members else "owner-gone"
+            return "released" if self._owner in self._agent.members else "owner-gone"
         return user.state
 
     def _check_owner(self) -> None:
         """Fail at once, saying so, if the owner died or left."""
         agent = self._agent
-        if self._owner not in agent._members and not self.is_owner():
+        if self._owner not in agent.members and not self.is_owner():
             why = agent.gone_why(self._owner) or "is not in the group"
-            raise WorkerGoneError(agent._peer_name(self._owner),
+            raise WorkerGoneError(agent.peer_name(self._owner),
                                   f"{why}; it owned RRef {self._id}, whose value is lost")
 
     # -- identity --------------------------------------------------------------
     def owner(self) -> WorkerInfo:
         """The owner's ``WorkerInfo``."""
-        return WorkerInfo(self._agent._peer_name(self._owner), self._owner)
+        return WorkerInfo(self._agent.peer_name(self._owner), self._owner)
 
     def owner_name(self) -> str:
         return self.owner().name
@@ -267,7 +267,7 @@ def _reduce_rref(rref: RRef) -> tuple:
     if fork is not None:  # (the undo must not hold the RRef: the call may be long)
         wire.on_unsent(lambda: ctx.undo_fork(rid, fork))
     if fork is not None:
-        ctx._event("forked", rref._id, fork, to, f"to {wire.agent._peer_name(to)}")
+        ctx._event("forked", rref._id, fork, to, f"to {wire.agent.peer_name(to)}")
     return _rebuild_rref, (rref._id, rref._owner, fork, st.rank, rref.is_owner(), rref._site)
 
 
