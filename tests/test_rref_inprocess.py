@@ -7,6 +7,7 @@ freed them; every test ends by checking that nothing is left anywhere.
 from __future__ import annotations
 
 import gc
+import logging
 import pickle
 import threading
 import time
@@ -185,15 +186,19 @@ def test_rref_local_value_to_self_and_back(group) -> None:
     assert poll_for(lambda: freed("mine"))
 
 
-def test_creation_error_reraised_by_to_here_proxies_and_forks(group) -> None:
+def test_creation_error_reraised_by_to_here_proxies_and_forks(group, caplog) -> None:
     a, _, _ = group
-    r = remote(a, "b", fail, ("creation failed",), {}, -1)
-    with pytest.raises(ValueError, match="creation failed"):
-        r.to_here()
-    with pytest.raises(ValueError, match="creation failed"):
-        r.rpc_sync().anything()
-    with pytest.raises(ValueError, match="creation failed"):
-        a.rpc_async("c", tag_of, (r,)).wait()
+    with caplog.at_level(logging.WARNING, logger="nbrpc.agent.agent"):
+        r = remote(a, "b", fail, ("creation failed",), {}, -1)
+        with pytest.raises(ValueError, match="creation failed"):
+            r.to_here()
+        with pytest.raises(ValueError, match="creation failed"):
+            r.rpc_sync().anything()
+        with pytest.raises(ValueError, match="creation failed"):
+            a.rpc_async("c", tag_of, (r,)).wait()
+    # the owner logs the failure once, not again each time the stored error is raised
+    logged = [r.getMessage() for r in caplog.records if "raised" in r.getMessage()]
+    assert logged == ["nbrpc agent 'b': remote from 'a' raised ValueError: creation failed"]
 
 
 def test_pickling_outside_rpc_is_refused_with_the_fix(group) -> None:

@@ -12,9 +12,9 @@ from .agent import (
     set_default_agent,
 )
 from .asyncfn import check_future, is_async, mark_async
-from .futures import RpcFuture, detach, fresh, outcome, wait_result
+from .futures import RpcFuture, detach, fresh, on_done, outcome, wait_result
 from .group import WorkerInfo
 
 __all__ = ["Agent", "AgentOptions", "Deferred", "Propagator", "RpcFuture", "Wire", "WorkerInfo",
            "check_future", "current_agent", "detach", "fresh", "internal", "is_async", "mark_async",
-           "outcome", "register_extension", "set_default_agent", "wait_result"]
+           "on_done", "outcome", "register_extension", "set_default_agent", "wait_result"]

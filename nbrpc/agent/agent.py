@@ -57,7 +57,7 @@ from . import gcfreeze
 from .asyncfn import check_future, is_async
 from .events import EventLog
 from .faults import FaultPlan
-from .futures import RpcFuture, outcome
+from .futures import RpcFuture, on_done, outcome
 from .group import Coordinator, WorkerInfo, check_worker_name
 from .members import MemberTable
 from .messages import (
@@ -82,6 +82,7 @@ from .remote_errors import pack_error, rebuild_error
 
 log = logging.getLogger(__name__)
 
+_LOGGED = "_nbrpc_logged"  # set on an error user_error has logged
 MAX_EARLY = 10_000  # requests held while joining (peers that heard first call at once)
 
 _local = threading.local()
@@ -749,8 +750,8 @@ class Agent:
             self._reply(env, pack_error(e, self.name), op, started, tag)
             return
         if type(result) is Deferred:
-            result.future.add_done_callback(
-                lambda f: self._reply_future(env, f, op, started, tag, _what(msg)))
+            on_done(result.future,
+                    lambda f: self._reply_future(env, f, op, started, tag, _what(msg)))
         else:
             self._reply(env, Ok(result), op, started, tag, _what(msg))
 
@@ -770,8 +771,12 @@ class Agent:
         """Log, on this worker, a failure of code run for ``sender`` (as PyTorch
         prints it to the worker's stderr); the caller gets the exception too.
         One line at WARNING, the traceback at DEBUG."""
-        if getattr(e, "remote_worker", None):  # raised further away: logged there
-            return
+        if getattr(e, "remote_worker", None) or getattr(e, _LOGGED, False):
+            return  # raised further away (logged there), or a stored error raised again
+        try:
+            setattr(e, _LOGGED, True)  # (copies raised from a stored error keep it)
+        except Exception:  # an exception type without attributes
+            pass
         log.warning("nbrpc agent %r: %s from %r raised %s: %s", self.name, op,
                     self.peer_name(sender), type(e).__name__, e)
         log.debug("the traceback", exc_info=e)

@@ -87,13 +87,23 @@ def wait_result(fut: torch.futures.Future) -> Any:
     return result
 
 
+def on_done(fut: torch.futures.Future, callback: Callable[[Any], None]) -> None:
+    """nbrpc's own done-callback, which never blocks: unlike ``.then()`` and
+    ``add_done_callback`` from user code, it lets an :class:`RpcFuture` still
+    complete on the I/O thread (no pool hop; see ``has_callbacks``).
+
+    >>> f = torch.futures.Future(); seen = []
+    >>> on_done(f, lambda g: seen.append(g.value())); f.set_result(1); seen
+    [1]
+    """
+    torch._C.Future.add_done_callback(fut, callback)
+
+
 def _block_until_done(fut: torch.futures.Future) -> None:
     """Wait in short slices (Ctrl-C stays prompt), counted as blocked in a pool."""
     done = threading.Lock()  # released by the completing thread
     done.acquire()
-    # (the C++ method: this callback never blocks, so the future may complete on
-    # the I/O thread; see RpcFuture.has_callbacks)
-    torch._C.Future.add_done_callback(fut, lambda _f: done.release())
+    on_done(fut, lambda _f: done.release())
     with blocking():
         while not done.acquire(timeout=_SLICE):  # slices keep Ctrl-C prompt
             pass

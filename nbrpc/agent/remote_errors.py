@@ -46,6 +46,7 @@ def rebuild_error(err: Err) -> BaseException:
     if not isinstance(exc, Exception):
         return RemoteError(err.worker, err.type_name, err.message, err.traceback, why)
     exc.__dict__.pop(TRACEBACK_ATTR, None)  # the callee's; it is in the cause below
+    exc.__dict__.pop("_nbrpc_logged", None)  # (the callee's logging mark)
     exc.__cause__ = RemoteTraceback(f'\n"""\n{err.traceback.rstrip()}\n"""')
     try:
         exc.remote_worker = err.worker

@@ -236,7 +236,7 @@ class LocalPass:
             given = [_fit(g, nxt, nr) if g is not None and nxt is not None else None
                      for (nxt, nr), g in zip(node.next_functions, outs)]
             ids = [id(g) for g in given if g is not None]
-            if len(set(ids)) < len(ids):  # one tensor to several edges: a leaf copies it
+            if len(ids) > 1 and len(set(ids)) < len(ids):  # one tensor to several edges: a leaf copies it
                 self._shared.update(i for i in ids if ids.count(i) > 1)
             for (nxt, nr), g in zip(node.next_functions, given):
                 if nxt is not None:

@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from ..agent import Agent, Deferred, check_future, detach, is_async, outcome
+from ..agent import Agent, Deferred, check_future, detach, is_async, on_done, outcome
 from ..agent.messages import fast_pickle
 from ..errors import NbrpcError, RpcTimeoutError, ShutdownError, WorkerGoneError
 from .state import (
@@ -222,7 +222,7 @@ class RRefContext:
         try:
             value = msg.fn(*msg.args, **msg.kwargs)
             if is_async(msg.fn):  # the value is what the returned future yields
-                check_future(msg.fn, value).add_done_callback(
+                on_done(check_future(msg.fn, value),
                     lambda f: _settle(entry.value, f))
                 return None
         except BaseException as e:  # stored: to_here(), proxies and forks re-raise it

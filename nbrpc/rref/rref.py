@@ -35,6 +35,7 @@ from ..agent import (
     detach,
     is_async,
     mark_async,
+    on_done,
     outcome,
     register_extension,
     wait_result,
@@ -385,7 +386,7 @@ def _call_method_on_owner(rref_id: RRefId, name: str, args: tuple, kwargs: dict,
         method = _get_attribute(rref_id, obj, name)
         result = method(*args, **kwargs)
         if is_async(method):
-            check_future(method, result).add_done_callback(lambda f: _settle(out, f))
+            on_done(check_future(method, result), lambda f: _settle(out, f))
         else:
             out.set_result(result)
 
