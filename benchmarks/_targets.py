@@ -30,6 +30,18 @@ def small(i: int) -> tuple[int, str]:
     return (i + 1, "ok")
 
 
+# The shape of notebook code: a function that uses a class with 60 methods.
+# Run here, it is importable (both libraries pickle it by reference); nbrpc's
+# rank 0 also runs it in a namespace named __main__, where cloudpickle pickles
+# it by value, as it does a notebook cell's code (bench_rpc.py, row 10).
+BIG_SOURCE = (
+    "class Big:\n"
+    + "".join(f"    def m{i}(self, x):\n        return x + {i}\n\n" for i in range(60))
+    + "\ndef use_big(x):\n    return Big().m3(x)\n"
+)
+exec(BIG_SOURCE)  # defines Big and use_big in this module
+
+
 def rss_mb() -> float:
     """This process's resident set size (VmRSS) in MiB."""
     with open("/proc/self/status") as f:

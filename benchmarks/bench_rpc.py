@@ -64,6 +64,18 @@ What is measured (rank 0 calling rank 1 over loopback):
    again inside ``nbrpc.debug.trace()``, and the time the block's exit takes to
    gather and pair the messages. Tracing reads the agents' always-on event
    logs, so rows 1.-2. are what "tracing off" costs.
+10. Notebook code: ``rpc_sync`` of ``use_big(1)``, a function that uses a
+    class with 60 methods (``_targets.BIG_SOURCE``), importable (both libraries)
+    and, for nbrpc, the same source run in a namespace named ``__main__``, as a
+    notebook cell's code is (cloudpickle pickles it by value; torch's pickler
+    cannot send it at all). The two nbrpc variants alternate in rounds; medians
+    (µs) and notebook-defined over importable (target: within 10%).
+11. The pure-Python floor: a no-op call with Pyro5 (blocking sockets, one
+    connection per proxy, a thread per connection), its server in a second
+    process on 127.0.0.1, the client in this (the parent) process, with the
+    ``marshal`` and ``serpent`` serializers, after each repetition's two
+    libraries; shown against nbrpc's ``rpc_sync`` (skipped if Pyro5 is not
+    installed: ``pip install Pyro5``, in the ``test`` extra).
 
 The targets from the issue are printed next to the metrics they apply to.
 Every loop is bounded, and each library's run is killed after ``--timeout``
@@ -84,6 +96,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import traceback
 import warnings
@@ -222,6 +235,81 @@ def bench_echo(rpc: Any, label: str, reps: tuple[int, int],
         raise AssertionError(f"echo of {label} returned a different tensor")
     med = statistics.median(samples)
     return {f"echo_{label}_us": med * 1e6, f"echo_{label}_gbps": 2 * nbytes / med / 1e9}
+
+
+def bench_notebook_code(rpc: Any, lib: str, cfg: Config,
+                        failures: list[str]) -> dict[str, float]:
+    """Row 10: an importable function against the same defined in a notebook cell."""
+    fns = {"imported": _targets.use_big}
+    if lib == "nbrpc":
+        cell: dict[str, Any] = {"__name__": "__main__"}
+        exec(_targets.BIG_SOURCE, cell)  # as a notebook cell would define it
+        fns["notebook"] = cell["use_big"]
+    samples: dict[str, list[float]] = {k: [] for k in fns}
+    warmup, timed = cfg.sync
+    rounds = 5
+    for i in range(rounds):
+        for key, fn in fns.items():
+            samples[key] += time_calls(lambda fn=fn: rpc.rpc_sync(PEER, fn, args=(1,)),
+                                       warmup if i == 0 else 0, timed // rounds, failures)
+    for key, fn in fns.items():  # checked after timing
+        if rpc.rpc_sync(PEER, fn, args=(1,)) != 4:
+            raise AssertionError(f"use_big ({key}) returned a wrong value")
+    return {f"{key}_fn_median_us": statistics.median(v) * 1e6 for key, v in samples.items()}
+
+
+PYRO_SERVER = """
+import sys
+import Pyro5.api
+
+class Target:
+    def noop(self):
+        return None
+
+Pyro5.api.expose(Target)
+daemon = Pyro5.api.Daemon(host="127.0.0.1")
+print(daemon.register(Target, "target"), flush=True)
+daemon.requestLoop()
+"""
+
+
+def bench_pyro(cfg: Config, limit_s: float) -> dict[str, Any]:
+    """Row 11: Pyro5 no-op calls from this process to a server process (µs)."""
+    try:
+        import Pyro5.api
+        import Pyro5.config
+    except ImportError:
+        return {"error": "Pyro5 is not installed (pip install Pyro5)"}
+    server = subprocess.Popen([sys.executable, "-c", PYRO_SERVER], stdout=subprocess.PIPE,
+                              text=True)
+    out: dict[str, Any] = {}
+    try:
+        uri = _read_line(server, min(limit_s, 30.0))
+        for serializer in ("marshal", "serpent"):
+            Pyro5.config.SERIALIZER = serializer
+            with Pyro5.api.Proxy(uri) as proxy:
+                proxy._pyroBind()
+                samples = time_calls(proxy.noop, *cfg.sync, [])
+            out[f"pyro_{serializer}_us"] = statistics.median(samples) * 1e6
+    except Exception as e:
+        out["error"] = f"{type(e).__name__}: {e}"
+    finally:
+        server.kill()  # (started here, stopped by its own handle)
+        server.wait(10)
+        if server.stdout:
+            server.stdout.close()
+    return out
+
+
+def _read_line(proc: subprocess.Popen, timeout: float) -> str:
+    """The first line ``proc`` prints, waiting at most ``timeout`` s."""
+    got: list[str] = []
+    reader = threading.Thread(target=lambda: got.append(proc.stdout.readline()), daemon=True)
+    reader.start()
+    reader.join(timeout)
+    if not got or not got[0].strip():
+        raise TimeoutError(f"the Pyro5 server printed no URI within {timeout:g} s")
+    return got[0].strip()
 
 
 def bench_remote(rpc: Any, cfg: Config, failures: list[str]) -> dict[str, float]:
@@ -422,6 +510,8 @@ def measure(rpc: Any, lib: str, cfg: Config, rec: dict[str, Any],
             steps.append((f"echo {label}", sum(reps),
                           lambda f, label=label, reps=reps: bench_echo(rpc, label, reps, f)))
         steps.append(("remote", sum(cfg.remote), lambda f: bench_remote(rpc, cfg, f)))
+        steps.append(("notebook code", 2 * cfg.sync[1],
+                      lambda f: bench_notebook_code(rpc, lib, cfg, f)))
         steps.append(("remote frees", 0, lambda f: check_remote_frees(rpc, cfg, f)))
     if "autograd" in cfg.cases:
         steps += [
@@ -629,7 +719,8 @@ def _over_torch(res: dict[str, Any], rank: int) -> float | None:
 
 
 def build_rows(nb: dict[str, Any], tc: dict[str, Any], cfg: Config,
-               local: dict[str, float] | None = None) -> list[Row]:
+               local: dict[str, float] | None = None,
+               pyro: dict[str, Any] | None = None) -> list[Row]:
     """The table's rows; ``local``: the one-process reference (:func:`bench_autograd_local`)."""
     def pair(get: Callable[[dict[str, Any]], float | None]) -> tuple[float | None, float | None]:
         return get(nb), get(tc)
@@ -664,7 +755,21 @@ def build_rows(nb: dict[str, Any], tc: dict[str, Any], cfg: Config,
                             *metric(f"echo_{label}_gbps"), fmt="{:.3f}",
                             target="ratio ≥ 2" if big else "",
                             test=(lambda x: x >= 2.0) if big else None))
-        rows.append(Row("remote() + to_here(), median (µs)", *metric("remote_median_us")))
+        sync = metric("sync_median_us")[0]
+        for serializer in ("marshal", "serpent"):
+            rows.append(Row(f"rpc_sync no-op vs Pyro5 ({serializer}) no-op, median (µs; torch "
+                            "column: Pyro5)", sync, (pyro or {}).get(f"pyro_{serializer}_us")))
+        rows.append(Row("remote() + to_here(), median (µs)", *metric("remote_median_us"),
+                        target="ratio ≤ 0.6", test=lambda x: x <= 0.6))
+        imported, notebook = metric("imported_fn_median_us"), metric("notebook_fn_median_us")
+        rows += [
+            Row("rpc_sync of a function using a 60-method class, importable (µs)", *imported),
+            Row("… the same defined in a notebook cell (torch: cannot send it) (µs)",
+                notebook[0], imported[1]),
+            Row("… notebook-defined over importable, nbrpc", None if None in (
+                notebook[0], imported[0]) else notebook[0] / imported[0], None, fmt="{:.3f}",
+                target="≤ 1.10", test=lambda x: x <= 1.10, absolute=True),
+        ]
     if "fork" in cfg.cases:
         n = cfg.fork_cycles
         rows += [
@@ -924,7 +1029,13 @@ def main(argv: list[str] | None = None) -> int:
                   f"(MASTER_PORT={port}) ...", file=sys.stderr, flush=True)
             fork = results[lib]["fork"] = run_library(lib, port, fork_cfg, fork_limit, 3)
             print(f"  {lib} done in {fork['wall_s']:.1f} s", file=sys.stderr, flush=True)
-        reps.append(build_rows(results["nbrpc"], results["torch"], cfg, local))
+        pyro: dict[str, Any] = {}
+        if "rpc" in cases:
+            print(f"[{rep + 1}/{repeat}] running Pyro5 ...", file=sys.stderr, flush=True)
+            pyro = bench_pyro(cfg, limit)
+            if pyro.get("error"):
+                issues.append(f"Pyro5: {pyro['error']}")
+        reps.append(build_rows(results["nbrpc"], results["torch"], cfg, local, pyro))
         issues += problems(results)
         all_results.append(results)
     rows = merge_repetitions(reps)

@@ -14,6 +14,7 @@ subclasses ``RuntimeError`` too, so code written against
     ├── RpcTimeoutError            also a TimeoutError
     ├── WorkerGoneError            the peer left the group or died
     ├── SerializationError         an argument or result could not be pickled
+    │   └── CodeCacheMiss          a request named code by hash the callee no longer has
     ├── RendezvousError            init_rpc could not form the group
     ├── ShutdownError              the agent is shutting down
     ├── RemoteError                a remote failure whose type did not unpickle
@@ -93,6 +94,25 @@ class WorkerGoneError(NbrpcError, ConnectionError):
 
 class SerializationError(NbrpcError):
     """An argument, a result or an exception could not be pickled."""
+
+
+class CodeCacheMiss(SerializationError):
+    """A request referred to a function or class by content hash that the
+    receiver does not hold (it restarted, or evicted it). Raised on the
+    receiver before anything else of the request is unpickled; the caller
+    sends the request again with the definitions, once. Users see it only if
+    that retry misses too."""
+
+    def __init__(self, digests: Iterable[bytes]) -> None:
+        self.digests = tuple(digests)
+        names = ", ".join(d.hex()[:12] for d in self.digests)
+        super().__init__(
+            f"this worker no longer holds the definition of code sent earlier by hash "
+            f"({names}); the caller resends it with the definition. If you see this, "
+            "the resend missed too: call again.")
+
+    def __reduce__(self) -> tuple:
+        return CodeCacheMiss, (self.digests,)
 
 
 class RendezvousError(NbrpcError):

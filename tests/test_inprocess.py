@@ -25,7 +25,7 @@ from nbrpc.errors import (
     WorkerGoneError,
 )
 from nbrpc.rpc.functions import async_execution
-from nbrpc.transport import new_key, pack
+from nbrpc.transport import local, new_key, pack
 
 
 # -- functions that run remotely (importable: pickled by reference) -------------
@@ -305,6 +305,9 @@ def test_tampered_message_dropped_unread(trio) -> None:
         s.send_multipart([bytes(32), b"\x01" * 24, evil])  # not even framed
         s.send_multipart(pack(new_key(), 1, 0, 1, evil))  # framed, signed with another key
         assert poll_for(lambda: sum(b.io.dropped.values()) == 3)
+    with intruder(local.local_endpoint(b.io.local_address)) as s:  # the Unix socket too
+        s.send_multipart(pack(new_key(), 1, 0, 1, evil), flags=zmq.NOBLOCK)
+        time.sleep(0.3)
     counters = b.snapshot()["counters"]
     assert counters["dropped"] == {"refused connection": 1, "framing": 1, "bad signature": 1}
     assert counters["dropped_bad_signature"] == 1
@@ -687,3 +690,12 @@ def test_a_call_that_arrives_before_the_member_table_waits_for_it() -> None:
             t.start()
         for t in stoppers:
             t.join(20)
+
+
+def test_members_on_this_host_talk_over_unix_sockets(trio) -> None:
+    a, b, c = trio
+    assert a.rpc_async("b", add, (1, 2)).wait() == 3
+    assert b.rpc_async("c", add, (2, 2)).wait() == 4
+    for src, dst in ((a, b), (b, c), (b, a)):  # (b answers a on its own connection)
+        endpoint = src.io._dealers[dst.rank].sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        assert endpoint == local.local_endpoint(dst.io.local_address), (src.name, dst.name)

@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+import os
+import stat
+import subprocess
+import sys
+import tempfile
 import threading
 import time
 
+import zmq
 from conftest import poll_for
 
-from nbrpc.transport import IOLoop, new_key
+from nbrpc.transport import IOLoop, local, new_key
 
 
 def _loop(received: list) -> IOLoop:
@@ -101,3 +107,74 @@ def test_messages_to_a_peer_whose_address_is_not_known_yet_wait_and_keep_their_o
     finally:
         a.stop()
         b.stop()
+
+
+# -- peers on the same host: a Unix domain socket ------------------------------------
+def _pair(ipc: bool = True) -> tuple[IOLoop, IOLoop, list]:
+    key = new_key()
+    got: list = []
+    a = IOLoop(key, 0, lambda env: None, name="nbrpc-io-test-a", ipc=ipc)
+    b = IOLoop(key, 1, got.append, name="nbrpc-io-test-b", ipc=ipc)
+    for loop in (a, b):
+        loop.bind()
+        loop.start()
+    return a, b, got
+
+
+def _endpoint(loop: IOLoop, peer: int) -> str:
+    return loop._dealers[peer].sock.getsockopt_string(zmq.LAST_ENDPOINT)
+
+
+def test_same_host_peer_is_reached_over_its_unix_socket() -> None:
+    a, b, got = _pair()
+    try:
+        assert b.local_address.startswith(local.host_identity() + "@ipc://")
+        directory = b._ipc_dir
+        assert stat.S_IMODE(os.stat(directory).st_mode) == 0o700  # no other user gets in
+        a.set_address(1, b.address, b.local_address)
+        a.send(1, 0, 7, b"hello")
+        assert poll_for(lambda: got, timeout=5)
+        assert bytes(got[0].payload) == b"hello"
+        assert _endpoint(a, 1) == local.local_endpoint(b.local_address)
+        assert a._is_local(1)  # (large buffers go through shared memory)
+    finally:
+        a.stop()
+        b.stop()
+    assert not os.path.exists(directory)  # removed with the loop
+
+
+def test_other_host_or_no_ipc_uses_tcp() -> None:
+    a, b, got = _pair()
+    try:
+        elsewhere = "another-host@" + b.local_address.partition("@")[2]
+        a.set_address(1, b.address, elsewhere)  # another kernel: the path means nothing
+        a.send(1, 0, 1, b"x")
+        assert poll_for(lambda: got, timeout=5)
+        assert _endpoint(a, 1).startswith("tcp://")
+    finally:
+        a.stop()
+        b.stop()
+    a, b, got = _pair(ipc=False)
+    try:
+        assert b.local_address is None and b._ipc_dir is None
+        a.set_address(1, b.address, None)
+        a.send(1, 0, 1, b"x")
+        assert poll_for(lambda: got, timeout=5)
+        assert _endpoint(a, 1).startswith("tcp://")
+    finally:
+        a.stop()
+        b.stop()
+
+
+def test_socket_directories_of_exited_processes_are_swept(tmp_path) -> None:
+    done = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, timeout=30)
+    dead = int(done.stdout)  # exited (and reaped): its directory is stale
+    stale = tempfile.mkdtemp(prefix=f"{local.PREFIX}{dead}-")
+    mine = tempfile.mkdtemp(prefix=f"{local.PREFIX}{os.getpid()}-")
+    try:
+        assert local.sweep() >= 1
+        assert not os.path.exists(stale) and os.path.exists(mine)  # a live process keeps its
+    finally:
+        local.remove_dir(stale)
+        local.remove_dir(mine)

@@ -38,15 +38,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from .messages import (
-    DrainReport,
-    DrainVerdict,
-    Join,
-    Member,
-    MemberJoined,
-    MemberLeft,
-    Members,
-)
+from .messages import DrainReport, DrainVerdict, Join, Member, MemberJoined, MemberLeft, Members
 
 MAX_NAME_LEN = 128  # a name is shorter than this, as in PyTorch
 _NAME = re.compile(r"[A-Za-z0-9_\-:]+")

@@ -81,6 +81,7 @@ class Member:
     name: str
     rank: int
     address: str
+    local: str | None = None  # its Unix domain socket, for peers on its host
 
 
 @fast_pickle

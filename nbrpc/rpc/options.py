@@ -13,6 +13,7 @@ UNSET_RPC_TIMEOUT = -1.0
 DEFAULT_FAILURE_TIMEOUT = 30.0
 FAILURE_TIMEOUT_ENV = "NBRPC_FAILURE_TIMEOUT"
 ENCRYPT_ENV = "NBRPC_ENCRYPT"
+LOCAL_IPC_ENV = "NBRPC_LOCAL_IPC"
 
 
 class BackendType(enum.Enum):
@@ -44,7 +45,9 @@ class TensorPipeRpcBackendOptions(RpcBackendOptions):
     ``max_message_size``: the most bytes a received message may declare.
     ``encrypt=True`` (or ``NBRPC_ENCRYPT=1``) encrypts every connection with
     ZeroMQ's CURVE, for traffic that crosses networks you do not trust; every
-    worker must use the same setting.
+    worker must use the same setting. ``local_ipc=False`` (or
+    ``NBRPC_LOCAL_IPC=0``) makes workers on one host talk over loopback TCP
+    rather than a Unix domain socket.
 
     >>> TensorPipeRpcBackendOptions(num_worker_threads=8, rpc_timeout=20).rpc_timeout
     20.0
@@ -65,6 +68,7 @@ class TensorPipeRpcBackendOptions(RpcBackendOptions):
         failure_timeout: float | None = None,
         max_message_size: int | None = None,
         encrypt: bool | None = None,
+        local_ipc: bool | None = None,
     ) -> None:
         super().__init__(rpc_timeout, init_method)
         if int(num_worker_threads) < 1:
@@ -74,6 +78,7 @@ class TensorPipeRpcBackendOptions(RpcBackendOptions):
             failure_timeout, "failure_timeout")
         self.max_message_size = max_message_size  # (checked with the agent's options)
         self.encrypt = encrypt
+        self.local_ipc = local_ipc
         if device_maps:
             _refuse_devices()
         self.device_maps: dict = {}
@@ -163,6 +168,10 @@ def read_options(opts: Any) -> dict[str, Any]:
     if encrypt is None:
         encrypt = os.environ.get(ENCRYPT_ENV, "").lower() in ("1", "true", "yes", "on")
     read["encrypt"] = bool(encrypt)
+    ipc = getattr(opts, "local_ipc", None)
+    if ipc is None:
+        ipc = os.environ.get(LOCAL_IPC_ENV, "1").lower() not in ("0", "false", "no", "off")
+    read["local_ipc"] = bool(ipc)
     size = getattr(opts, "max_message_size", None)
     if size is not None:
         read["max_message_size"] = size

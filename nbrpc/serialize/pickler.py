@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextvars
 import io
+import marshal
 import pickle
 import types
 from collections.abc import Callable
@@ -28,6 +29,7 @@ import numpy as np
 import torch
 
 from ..errors import SerializationError
+from .code import entry_for
 
 PROTOCOL = 5
 
@@ -159,13 +161,59 @@ _BY_REFERENCE: dict[int, Any] = {}
 _BY_REFERENCE_MAX = 4096
 
 
+class _Table:
+    """The code table of one message being pickled (see :mod:`.code`): each
+    by-value definition once, with its blob unless the peer holds it and the
+    message may refer to it by hash (requests only: their answer confirms)."""
+
+    __slots__ = ("codes", "peer", "refs_ok", "rows", "index", "full")
+
+    def __init__(self, codes: Any, peer: int, refs_ok: bool) -> None:
+        self.codes, self.peer, self.refs_ok = codes, peer, refs_ok
+        self.rows: list[tuple[bytes, bytes | None, tuple]] = []
+        self.index: dict[bytes, int] = {}
+        self.full: list[bytes] = []  # digests sent with their definition
+
+    def add(self, obj: Any) -> int | None:
+        e = entry_for(obj)
+        if e is None:
+            return None
+        i = self.index.get(e.digest)
+        if i is None:
+            i = self.index[e.digest] = len(self.rows)
+            if self.refs_ok and self.codes.holds(self.peer, e.digest):
+                self.rows.append((e.digest, None, e.classes))
+                self.codes.sent_ref += 1
+            else:
+                self.rows.append((e.digest, e.blob, e.classes))
+                self.full.append(e.digest)
+                self.codes.sent_full += 1
+        return i
+
+
+_TABLE = 0  # first byte of a payload with a code table (a pickle starts with 0x80)
+_objects: contextvars.ContextVar[list | None] = contextvars.ContextVar(
+    "nbrpc_code_objects", default=None)
+
+
+def _code_ref(i: int) -> Any:
+    """Unpickling: the ``i``-th definition of the message's code table."""
+    return _objects.get()[i]
+
+
 class _Pickler(cloudpickle.Pickler):
+    table: _Table | None = None
+
     def reducer_override(self, obj: Any) -> Any:
         reducer = _REDUCERS.get(type(obj))
         if reducer is not None:
             return reducer(obj)
         if _BY_REFERENCE.get(id(obj)) is obj:
             return NotImplemented  # the C pickler saves it as a global
+        if self.table is not None and (type(obj) is types.FunctionType or isinstance(obj, type)):
+            i = self.table.add(obj)
+            if i is not None:
+                return _code_ref, (i,)
         result = cloudpickle.Pickler.reducer_override(self, obj)
         if result is NotImplemented and isinstance(obj, (type, types.FunctionType)):
             if getattr(obj, "__module__", None) != "__main__":
@@ -178,6 +226,12 @@ class _Pickler(cloudpickle.Pickler):
 def dumps(obj: Any, context: Any = None) -> tuple[bytes, list[pickle.PickleBuffer]]:
     """Pickle ``obj``; returns the payload and the out-of-band buffers.
 
+    With a ``context`` that has ``codes`` (a :class:`~.code.CodeCache`),
+    ``peer`` and ``refs_ok``, by-value functions and classes go into a code
+    table ahead of the pickle (:mod:`.code`), and ``context.full`` lists the
+    digests sent with their definitions, ``context.refs`` whether any went by
+    hash only.
+
     >>> payload, buffers = dumps({"x": torch.arange(4.0)})
     >>> len(buffers), buffers[0].raw().nbytes
     (1, 16)
@@ -187,8 +241,12 @@ def dumps(obj: Any, context: Any = None) -> tuple[bytes, list[pickle.PickleBuffe
     buffers: list[pickle.PickleBuffer] = []
     f = io.BytesIO()
     token = _context.set(context)
+    pickler = _Pickler(f, protocol=PROTOCOL, buffer_callback=buffers.append)
+    codes = getattr(context, "codes", None)
+    if codes is not None:
+        pickler.table = _Table(codes, context.peer, context.refs_ok)
     try:
-        _Pickler(f, protocol=PROTOCOL, buffer_callback=buffers.append).dump(obj)
+        pickler.dump(obj)
     except SerializationError:
         raise
     except Exception as e:
@@ -198,14 +256,36 @@ def dumps(obj: Any, context: Any = None) -> tuple[bytes, list[pickle.PickleBuffe
         ) from e
     finally:
         _context.reset(token)
-    return f.getvalue(), buffers
+    table = pickler.table
+    if table is None or not table.rows:
+        return f.getvalue(), buffers
+    head = marshal.dumps(table.rows)
+    context.full = table.full
+    context.refs = len(table.full) < len(table.rows)
+    return b"".join((bytes((_TABLE,)), len(head).to_bytes(4, "little"), head,
+                     f.getbuffer())), buffers
 
 
 def loads(payload: bytes, buffers: list, context: Any = None) -> Any:
-    """Inverse of :func:`dumps`; ``buffers`` are the received buffer frames."""
+    """Inverse of :func:`dumps`; ``buffers`` are the received buffer frames.
+    A code table is resolved first: a definition missing here raises
+    :class:`~nbrpc.errors.CodeCacheMiss` before anything else is unpickled."""
     token = _context.set(context)
     try:
-        return pickle.loads(payload, buffers=buffers)
+        if not (len(payload) and payload[0] == _TABLE):
+            return pickle.loads(payload, buffers=buffers)
+        view = memoryview(payload)
+        n = int.from_bytes(view[1:5], "little")
+        codes = getattr(context, "codes", None)
+        if codes is None:
+            raise SerializationError("a message naming code by hash arrived where no "
+                                     "code cache is kept")
+        objs = codes.resolve(marshal.loads(view[5:5 + n]))
+        token2 = _objects.set(objs)
+        try:
+            return pickle.loads(view[5 + n:], buffers=buffers)
+        finally:
+            _objects.reset(token2)
     finally:
         _context.reset(token)
 

@@ -44,6 +44,10 @@ key, so a peer without the key cannot even complete a connection: nothing it
 sends reaches the I/O thread. For traffic that crosses networks you do not
 trust; on one host or a private network, signing alone is enough and faster.
 
+Same host: the ROUTER is also bound on a Unix domain socket in a private
+directory, and a peer on the same host (same boot, network and mount
+namespaces) connects there rather than over loopback TCP (:mod:`.local`).
+
 Links: every DEALER is watched by a libzmq socket monitor, so the agent
 learns within milliseconds that the process at the other end is gone (the
 kernel closed its connection), with no heartbeat involved.
@@ -68,7 +72,7 @@ from typing import Any
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from . import shm
+from . import local, shm
 from .frames import (
     DEFAULT_MAX_MESSAGE,
     FLAG_SHM,
@@ -114,6 +118,7 @@ class IOLoop:
         max_message_size: int = DEFAULT_MAX_MESSAGE,
         max_age: float = 300.0,
         encrypt: bool = False,
+        ipc: bool = True,
     ) -> None:
         self._key = key
         self.local_id = local_id
@@ -146,6 +151,10 @@ class IOLoop:
         self._shm = shm.ShmWriter(copy or shm.plain_copy) if shm.available() else None
         self._dealers_lock = threading.Lock()
         self._addresses: dict[int, str] = {}
+        self._ipc = ipc
+        self._ipc_dir: str | None = None
+        self.local_address: str | None = None  # "HOST@ipc://..." for peers on this host
+        self._local: dict[int, str] = {}  # peer -> its ipc:// endpoint, if on this host
         # Messages to a member whose address has not reached us yet (a peer that
         # got the member table first may call us before we have it), sent in
         # order once it does; a forgotten peer's messages are dropped instead.
@@ -189,18 +198,45 @@ class IOLoop:
                 "process that holds it."
             ) from e
         self.address = self._router.getsockopt_string(zmq.LAST_ENDPOINT)
+        if self._ipc:
+            self.local_address = self._bind_ipc()
         return self.address
+
+    def _bind_ipc(self) -> str | None:
+        """Also bind a Unix domain socket (see :mod:`.local`); None if that fails."""
+        try:
+            self._ipc_dir = local.make_dir()
+            where = f"ipc://{self._ipc_dir}/s"
+            self._router.bind(where)
+        except (OSError, zmq.ZMQError) as e:
+            log.debug("%s: no Unix domain socket (%s); peers on this host use TCP",
+                      self._name, e)
+            local.remove_dir(self._ipc_dir)
+            self._ipc_dir = None
+            return None
+        return f"{local.host_identity()}@{where}"
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
         self._thread.start()
 
-    def set_address(self, peer: int, address: str) -> None:
+    def set_address(self, peer: int, address: str, local_address: str | None = None) -> None:
         """Tell the loop where ``peer`` listens; a changed address reconnects.
-        Messages held for it (sent before its address was known) go out first."""
+        ``local_address``: its Unix domain socket, used (from the next
+        connection on) if the peer is on this host. Messages held for it (sent
+        before its address was known) go out first."""
         with self._dealers_lock:
             old = self._addresses.get(peer)
             self._addresses[peer] = address
+            endpoint = local.local_endpoint(local_address) if self._ipc else None
+            redial = False
+            if endpoint is not None:
+                # connected over TCP before this was known (a member's first
+                # connection, to the coordinator): move over to the Unix socket
+                redial = self._local.get(peer) != endpoint and peer in self._dealers
+                self._local[peer] = endpoint
+            elif old != address:
+                self._local.pop(peer, None)
             self._forgotten.discard(peer)
             held = self._held.pop(peer, None)
             dealer = self._new_dealer(peer, address) if held else None
@@ -209,12 +245,15 @@ class IOLoop:
         self._same_host.pop(peer, None)
         if old is not None and old != address:
             self.call_soon(self._drop_dealer, peer)
+        elif redial:  # (what the old connection still holds drains, bounded by its linger)
+            self.call_soon(self._drop_dealer, peer, _LINGER_MS)
         if dealer is not None:
             self._flush(dealer)
 
     def forget(self, peer: int) -> None:
         with self._dealers_lock:
             self._addresses.pop(peer, None)
+            self._local.pop(peer, None)
             self._forgotten.add(peer)
             dropped = self._held.pop(peer, ())
         if dropped:
@@ -298,6 +337,8 @@ class IOLoop:
     def _is_local(self, peer: int) -> bool:
         """Is ``peer`` on this host (loopback, or our own interface)?"""
         local = self._same_host.get(peer)
+        if local is None and peer in self._local:
+            local = self._same_host[peer] = True
         if local is None:
             address = self._addresses.get(peer, "")
             host = address.rpartition(":")[0].removeprefix("tcp://").strip("[]")
@@ -376,7 +417,7 @@ class IOLoop:
             sock.setsockopt(zmq.PLAIN_PASSWORD, self._token)
         monitor = sock.get_monitor_socket(_LINK_EVENTS)
         self._links[peer] = time.monotonic()  # down until connected
-        sock.connect(address)
+        sock.connect(self._local.get(peer, address))
         dealer = self._dealers[peer] = _Dealer(sock, monitor)
         self.call_soon(self._watch, peer, dealer)
         return dealer
@@ -503,6 +544,7 @@ class IOLoop:
         if self._zap is not None:
             self._zap.close(linger=0)
         self._ctx.term()
+        local.remove_dir(self._ipc_dir)
         for fd in (self._wake_r, self._wake_w):
             try:
                 os.close(fd)
@@ -563,14 +605,14 @@ class IOLoop:
             except Exception:
                 log.exception("nbrpc I/O callback %r failed", fn)
 
-    def _drop_dealer(self, peer: int) -> None:
+    def _drop_dealer(self, peer: int, linger: int = 0) -> None:
         with self._dealers_lock:
             entry = self._dealers.pop(peer, None)
             if entry is not None:
                 self._links.pop(peer, None)
         if entry is not None:
             with entry.lock:
-                entry.sock.close(linger=0)
+                entry.sock.close(linger=linger)
             self._unwatch(entry)
 
     def _recv_batch(self) -> None:

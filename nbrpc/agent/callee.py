@@ -1,0 +1,166 @@
+"""The callee side of an agent: run what peers ask, and answer.
+
+Mixed into :class:`~nbrpc.agent.agent.Agent`. The I/O thread sorts each
+message (:meth:`Callee._on_message`): a REQUEST is unpickled and run on the
+worker pool, an INLINE one (protocol bookkeeping) on the I/O thread itself; the
+thread that ran the handler sends the answer. A request that cannot be
+unpickled is answered with an ``unread`` error, so that the caller undoes what
+it carried.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+import time
+from typing import Any
+
+import torch
+
+from ..errors import SerializationError
+from ..serialize import dumps, loads
+from ..transport import Envelope
+from .asyncfn import check_future, is_async
+from .futures import on_done, outcome
+from .messages import CONTROL, INLINE, REQUEST, RESPONSE, Call, Ok
+from .pool import blocking
+from .remote_errors import pack_error
+from .wire import _LOGGED, Deferred, Wire, _unread_error, _what
+
+log = logging.getLogger(__name__)
+
+MAX_EARLY = 10_000  # requests held while joining (peers that heard first call at once)
+
+
+class Callee:
+    """Requests in, answers out (see the module docstring)."""
+
+    def _on_message(self, env: Envelope) -> None:
+        kind = env.kind
+        if kind == RESPONSE:
+            self._complete(env)
+        elif kind in (REQUEST, INLINE) and self.state == "joining":
+            if len(self._early) < MAX_EARLY:
+                self._early.append(env)
+            else:
+                self.io.note_drop("too early", f"request from rank {env.sender} before the "
+                                  f"member table ({MAX_EARLY} already held)")
+        elif kind == REQUEST:
+            self.pool.submit(self._serve, env)
+        elif kind == INLINE:
+            self._serve(env)
+        elif kind == CONTROL:
+            self._on_control(env)
+        else:
+            self.io.note_drop("unknown kind", f"kind {kind} from rank {env.sender}")
+
+    def _serve(self, env: Envelope) -> None:
+        started = time.perf_counter()
+        op = "?"
+        wire = Wire(self, env.sender)
+        try:
+            msg = loads(env.payload, env.buffers, wire)
+        except BaseException as e:  # the caller undoes what the message carried
+            e = _unread_error(e, self.name)
+            self._reply(env, dataclasses.replace(pack_error(e, self.name), unread=True),
+                        op, started, wire.tag)
+            return
+        tag = wire.tag
+        if wire.before is not None and threading.get_ident() != self.io.thread_ident:
+            self._wait_before(wire.before)
+        try:
+            if tag is not None:  # (tagged: a (_Tag, message) pair)
+                msg = msg[1]
+            op = msg.op
+            handler = self.handlers.get(op)
+            if handler is None:
+                raise SerializationError(f"no handler for request op {op!r} on {self.name!r}")
+            if tag is None or self.propagator is None:
+                result = handler(msg, env.sender)
+            else:
+                with self.propagator.enter(tag):
+                    result = handler(msg, env.sender)
+        except BaseException as e:
+            self.user_error(op, env.sender, e)
+            self._reply(env, pack_error(e, self.name), op, started, tag)
+            return
+        if type(result) is Deferred:
+            on_done(result.future,
+                    lambda f: self._reply_future(env, f, op, started, tag, _what(msg)))
+        else:
+            self._reply(env, Ok(result), op, started, tag, _what(msg))
+
+    def _wait_before(self, events: list[threading.Event]) -> None:
+        """Wait (bounded by the RPC timeout, on a pool thread) for what the
+        request's unpickling asked to precede its handler."""
+        deadline = time.monotonic() + (self.options.rpc_timeout or 60.0)
+        with blocking():
+            for ev in events:
+                while not ev.wait(0.25) and self.state != "stopped":
+                    if time.monotonic() > deadline:
+                        log.warning("nbrpc agent %r: running a request before its RRef "
+                                    "arguments were confirmed by their owners", self.name)
+                        return
+
+    def user_error(self, op: str, sender: int, e: BaseException) -> None:
+        """Log, on this worker, a failure of code run for ``sender`` (as PyTorch
+        prints it to the worker's stderr); the caller gets the exception too.
+        One line at WARNING, the traceback at DEBUG."""
+        if getattr(e, "remote_worker", None) or getattr(e, _LOGGED, False):
+            return  # raised further away (logged there), or a stored error raised again
+        try:
+            setattr(e, _LOGGED, True)  # (copies raised from a stored error keep it)
+        except Exception:  # an exception type without attributes
+            pass
+        log.warning("nbrpc agent %r: %s from %r raised %s: %s", self.name, op,
+                    self.peer_name(sender), type(e).__name__, e)
+        log.debug("the traceback", exc_info=e)
+
+    def _reply_future(self, env: Envelope, f: torch.futures.Future, op: str, started: float,
+                      tag: Any = None, what: str = "") -> None:
+        value, error = outcome(f)
+        if error is not None:
+            self.user_error(op, env.sender, error)
+        reply: Any = Ok(value) if error is None else pack_error(error, self.name)
+        self._reply(env, reply, op, started, tag, what)
+
+    def _reply(self, env: Envelope, reply: Any, op: str, started: float,
+               tag: Any = None, what: str = "") -> None:
+        peer = env.sender
+        wire = Wire(self, peer, tag)  # tensors in the reply are recorded under the tag
+        try:
+            payload, buffers = dumps(reply, wire)
+        except SerializationError as e:
+            wire.unsent()
+            wire = Wire(self, peer)
+            if type(reply) is Ok:  # name the value, not the wrapper it travels in
+                cause = e.__cause__ or e
+                kind = type(reply.value)
+                e = SerializationError(
+                    f"the result of {what or op}() on {self.name!r}, a {kind.__module__}."
+                    f"{kind.__qualname__}, could not be pickled to send back: "
+                    f"{type(cause).__name__}: {cause}. Return only picklable values (open "
+                    "files, locks and sockets are not), or keep the value on the worker "
+                    "with remote() and send back what you need from it.")
+            payload, buffers = dumps(pack_error(e, self.name), wire)
+        with self._lock:
+            self._served[peer] += 1
+        try:
+            fault = self.faults.take(op, True) if self.faults.rules else None
+            if fault is None:
+                nbytes = self.io.send(peer, RESPONSE, env.msg_id, payload, buffers)
+            else:
+                nbytes = self._inject(fault, peer, RESPONSE, env.msg_id, payload, buffers)
+        except BaseException:
+            wire.unsent()
+            raise
+        self.events.add("serve" if type(reply) is Ok else "serve-error", op,
+                        self.peer_name(env.sender), env.msg_id, nbytes,
+                        time.perf_counter() - started)
+
+    def _handle_call(self, msg: Call, sender: int) -> Any:
+        fn = msg.fn
+        if is_async(fn):
+            return Deferred(check_future(fn, fn(*msg.args, **msg.kwargs)))
+        return fn(*msg.args, **msg.kwargs)

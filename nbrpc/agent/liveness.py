@@ -1,0 +1,196 @@
+"""Control messages and failure detection, on the I/O thread.
+
+Mixed into :class:`~nbrpc.agent.agent.Agent`. CONTROL messages carry group
+membership (join, members, joined, left), heartbeats and the shutdown rounds;
+their handlers never block and never run user code. Every heartbeat interval
+:meth:`Control._tick` sends heartbeats and, on the coordinator, asks the
+:class:`~.group.Coordinator` whom to declare dead: a member whose connection
+closed after ``link_timeout``, one that is only silent after
+``failure_timeout``. A member wrongly declared dead is taken back when heard.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from ..serialize import dumps, loads
+from ..transport import Envelope
+from .messages import (
+    CONTROL,
+    DrainReport,
+    DrainVerdict,
+    Heartbeat,
+    Join,
+    Leave,
+    MemberJoined,
+    MemberLeft,
+    Members,
+)
+
+log = logging.getLogger(__name__)
+
+
+class Control:
+    """Membership, heartbeats and failure detection (see the module docstring)."""
+
+    def _send_control(self, rank: int, msg: Any) -> None:
+        payload, buffers = dumps(msg)
+        self.io.send(rank, CONTROL, 0, payload, buffers)
+
+    def _on_control(self, env: Envelope) -> None:
+        msg = loads(env.payload, env.buffers)
+        t = type(msg)
+        now = time.monotonic()
+        if env.sender == 0:
+            self._coordinator_seen = now
+        if self._coordinator is not None:
+            self._coordinator.heard_from(env.sender, now)
+        if t is Heartbeat:
+            if msg.member is not None and msg.member.rank == env.sender:
+                self._heard_heartbeat(msg)
+            return
+        if t is Members:
+            if msg.error:
+                self._join_error = msg.error
+            else:
+                self._set_members(msg.members)
+                if self._coordinator is not None:
+                    self._coordinator.watch_all(now)
+                if self.state == "joining":  # peers may call us from now on
+                    self.state = "ready"
+                    early, self._early = self._early, []
+                    for held in early:  # they name members this agent now knows
+                        self._on_message(held)
+            self._joined.set()
+        elif t is MemberJoined:
+            self._add_member(msg.member)
+        elif t is MemberLeft:
+            if msg.rank == self.rank:
+                self._evicted()
+            else:
+                self._remove_member(msg.rank, msg.dead, msg.why)
+        elif t is DrainVerdict:
+            verdict = self._verdicts.get(msg.round)
+            if verdict is not None and not verdict.done():
+                verdict.set_result(msg.done)
+        elif self._coordinator is None:
+            log.warning("rank %d sent %s to a non-coordinator", env.sender, t.__name__)
+        elif t is Leave:
+            self._dispatch(self._coordinator.on_leave(msg.rank))
+            self._remove_member(msg.rank)
+        elif t is Join:
+            self._on_join(msg)
+        elif t is DrainReport:
+            self._dispatch(self._coordinator.on_drain_report(env.sender, msg))
+
+    def _on_join(self, join: Join) -> None:
+        m = join.member
+        holder = self._coordinator.members.get(m.rank)
+        out = self._coordinator.on_join(join)
+        refusal = next((r.error for _, r in out if type(r) is Members and r.error), None)
+        if refusal is not None:
+            log.error("nbrpc coordinator %r refused %r (rank %d): %s", self.name, m.name,
+                      m.rank, refusal)
+            if holder is not None:  # its rank is a member's: the refusal cannot reach it
+                out = out[1:]  # (what follows tells the group, the holder included)
+        failed = self._coordinator.failed
+        if failed is not None and self.world_size is not None and self.state == "joining":
+            # the static group cannot form: every rank's init_rpc fails, not at its
+            # timeout; rank 0's once all the others have been told (they join to hear it)
+            self._join_error = failed
+            out = [(r, msg) for r, msg in out if r != self.rank]
+        if m.rank != self.rank and (refusal is None or holder is None):
+            self.io.set_address(m.rank, m.address, m.local)
+        self._dispatch(out)
+        if self._join_error and self._coordinator.everyone_told:
+            self._joined.set()  # (after the sends: init_rpc stops the agent on waking)
+        if (self.world_size is None and m.rank != self.rank
+                and self._coordinator.members.get(m.rank) == m):
+            # dynamic group: the coordinator is a member too (it calls the
+            # joiner, and heartbeats and watches it from now on)
+            self._add_member(m)
+            self._coordinator.heard_from(m.rank, time.monotonic())
+
+    def _dispatch(self, outbox: list) -> None:
+        for rank, msg in outbox:
+            try:
+                self._send_control(rank, msg)
+            except Exception as e:  # a member gone meanwhile
+                log.debug("control message to rank %d not sent: %s", rank, e)
+
+    def _tick(self) -> None:
+        if self.state == "stopped":
+            return
+        opts = self.options
+        self.io.call_later(opts.heartbeat_interval, self._tick)
+        now = time.monotonic()
+        # Late by over a second: this process was stopped or its GIL held, so
+        # nobody's silence meanwhile says anything about them.
+        stalled = now - self._last_tick > opts.heartbeat_interval + max(1.0, opts.heartbeat_interval)
+        self._last_tick = now
+        if not self._joined.is_set() or self._join_error or self._shutdown_cut:
+            return
+        beat = Heartbeat(self._member, self.world_size)
+        if self._coordinator is not None:
+            if stalled:
+                self._coordinator.watch_all(now)
+            down = {r: self.io.link_down_since(r) for r in self._coordinator.last_seen}
+            for rank in self._coordinator.expired(now, opts.failure_timeout,
+                                                  opts.link_timeout, down):
+                why = self._death(now, down.get(rank))
+                self._dispatch(self._coordinator.on_leave(rank, dead=True, why=why))
+                self._remove_member(rank, dead=True, why=why)
+            self._dispatch([(rank, beat) for rank in self.members.ranks() if rank != 0])
+            return
+        if 0 not in self.members:
+            return  # declared dead: its heartbeat, if it comes, takes it back
+        if stalled or not self._coordinator_seen:
+            self._coordinator_seen = now
+        silent, down_since = now - self._coordinator_seen, self.io.link_down_since(0)
+        if silent > opts.failure_timeout or (
+                down_since is not None and now - down_since > opts.link_timeout
+                and silent > opts.link_timeout):
+            self._remove_member(0, dead=True, why=self._death(now, down_since))
+            return
+        self._dispatch([(0, beat)])
+
+    def _death(self, now: float, down_since: float | None) -> str:
+        if down_since is not None and now - down_since > self.options.link_timeout:
+            return "died (its connection closed)"
+        return f"died (no heartbeat for {self.options.failure_timeout:g} s)"
+
+    def _heard_heartbeat(self, beat: Heartbeat) -> None:
+        """A heartbeat from someone this agent no longer counts as a member:
+        it was wrongly declared dead. The coordinator takes the member back
+        (as a re-join); a member whose coordinator came back joins it again."""
+        m = beat.member
+        if self._coordinator is not None:
+            if self._coordinator.readmits(m.rank) and self.state == "ready":
+                log.warning("nbrpc coordinator %r: %r (rank %d) is alive after all; "
+                            "taking it back", self.name, m.name, m.rank)
+                self.readmitted += 1
+                self._on_join(Join(m, beat.world_size))
+        elif m.rank == 0 and 0 not in self.members and self.state == "ready":
+            log.warning("nbrpc agent %r: the coordinator %r is alive after all; joining "
+                        "it again", self.name, m.name)
+            self.readmitted += 1
+            self._rejoin(m.address)
+
+    def _rejoin(self, address: str | None = None) -> None:
+        self._coordinator_seen = time.monotonic()
+        self.io.set_address(0, address or self._coordinator_address)
+        self._dispatch([(0, Join(self._member, self.world_size))])
+
+    def _evicted(self) -> None:
+        """The coordinator declared this (busy or stopped, but alive) worker dead."""
+        if self.state == "stopping":
+            self._cut_shutdown("the coordinator declared this worker dead")
+            return
+        if self.state != "ready":
+            return
+        log.warning("nbrpc agent %r was declared dead by the coordinator (it was not heard "
+                    "from in time); joining again. Calls to it meanwhile failed.", self.name)
+        self.readmitted += 1
+        self._rejoin()

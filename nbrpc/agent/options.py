@@ -1,0 +1,44 @@
+"""An agent's options (``AgentOptions``) and their checks."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..transport.frames import DEFAULT_MAX_MESSAGE
+
+
+@dataclass
+class AgentOptions:
+    num_worker_threads: int = 16
+    rpc_timeout: float = 60.0
+    host: str = "127.0.0.1"
+    port: int = 0
+    event_log_size: int = 10_000
+    heartbeat_interval: float = 0.5  # seconds between heartbeats; 0 turns detection off
+    # a member silent this long while its connection stays up (busy, stopped, or
+    # its host unreachable) is declared dead
+    failure_timeout: float = 30.0
+    # a member whose connection closed (its process exited) and that has been
+    # silent this long is declared dead
+    link_timeout: float = 1.0
+    max_message_size: int = DEFAULT_MAX_MESSAGE  # bytes a received message may declare
+    max_message_age: float = 300.0  # older (by the sender's clock) is refused as a replay
+    encrypt: bool = False  # CURVE-encrypt every connection (untrusted networks)
+    local_ipc: bool = True  # peers on the same host connect over a Unix domain socket
+    control_retry: float = 1.0  # first retry of an unanswered protocol message (doubles)
+    gc_freeze: bool = True  # keep full GC collections short while running (see gcfreeze)
+
+
+def _check_options(opts: AgentOptions) -> None:
+    for field in ("heartbeat_interval", "failure_timeout", "link_timeout", "max_message_age"):
+        value = getattr(opts, field)
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or not value >= 0:
+            raise ValueError(f"{field} must be a number of seconds >= 0, got {value!r}")
+    if opts.heartbeat_interval and opts.failure_timeout < 2 * opts.heartbeat_interval:
+        raise ValueError(
+            f"failure_timeout ({opts.failure_timeout:g} s) must be at least twice "
+            f"heartbeat_interval ({opts.heartbeat_interval:g} s)")
+    if not isinstance(opts.max_message_size, int) or opts.max_message_size < 1 << 20:
+        raise ValueError(f"max_message_size must be an int of at least 1 MiB, got "
+                         f"{opts.max_message_size!r}")
+

@@ -1,0 +1,233 @@
+"""What travels with a message, and small checks shared by both sides.
+
+:class:`Wire` is what reducers see while a message is pickled or unpickled;
+:class:`Pending` is a call waiting for its answer; :class:`Deferred` is a
+handler's answer that is a future; the rest checks a call's arguments and
+timeout and names a request for the event log.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ..errors import CodeCacheMiss, SerializationError
+from ..serialize import CodeCache, current_context
+from .futures import RpcFuture
+
+if TYPE_CHECKING:
+    from .agent import Agent
+
+log = logging.getLogger(__name__)
+
+_LOGGED = "_nbrpc_logged"  # set on an error user_error has logged
+
+_MISS = f"{CodeCacheMiss.__module__}.{CodeCacheMiss.__qualname__}"  # an Err's type_name
+
+
+class Wire:
+    """What a reducer sees (``nbrpc.serialize.current_context()``) while a
+    message is pickled or unpickled: this agent, the peer at the other end,
+    ``undo`` callbacks to run if the message is never sent, the value the
+    message propagates (``tag``: the autograd context id) and a scratch dict
+    for upper layers (``stash``: one autograd message id per message)."""
+
+    __slots__ = ("agent", "peer", "undo", "tag", "stash", "before", "refs_ok", "full", "refs")
+
+    def __init__(self, agent: Agent, peer: int, tag: Any = None, refs_ok: bool = False) -> None:
+        self.agent, self.peer, self.tag = agent, peer, tag
+        self.undo: list[Callable[[], None]] | None = None
+        self.stash: dict[str, Any] | None = None
+        self.before: list[threading.Event] | None = None
+        # notebook code by value, once (nbrpc.serialize.code): may this message
+        # name definitions by hash (requests: their answer confirms), which it
+        # sent in full, and whether it named any by hash
+        self.refs_ok = refs_ok
+        self.full: list[bytes] | None = None
+        self.refs = False
+
+    @property
+    def codes(self) -> CodeCache:
+        return self.agent.codes
+
+    def run_after(self, event: threading.Event) -> None:
+        """A request being unpickled: run its handler once ``event`` is set
+        (bounded by the RPC timeout). Replies and inline messages do not wait."""
+        if self.before is None:
+            self.before = []
+        self.before.append(event)
+
+    def on_unsent(self, fn: Callable[[], None]) -> None:
+        if self.undo is None:
+            self.undo = []
+        self.undo.append(fn)
+
+    def unsent(self) -> None:
+        for fn in self.undo or ():
+            try:
+                fn()
+            except Exception:
+                log.exception("undoing an unsent message's side effects failed")
+
+
+class Propagator:
+    """How an upper layer propagates a value with requests (the autograd layer:
+    the context id). ``current()`` is the calling thread's value or None; the
+    receiver runs the request's handler inside ``enter(value)``."""
+
+    def current(self) -> Any:
+        return None
+
+    def enter(self, value: Any) -> Any:  # a context manager
+        raise NotImplementedError
+
+    def sent(self, value: Any, peer: int) -> None:
+        """A request carrying ``value`` is going to ``peer``."""
+
+
+class _Tag:
+    """First item of a tagged payload: unpickling it sets the receiving
+    Wire's tag before the message itself is rebuilt, so reducers see it."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+    def __reduce__(self) -> tuple:
+        return _restore_tag, (self.value,)
+
+
+def _restore_tag(value: Any) -> type:
+    current_context().tag = value
+    return _Tag
+
+
+@dataclass(slots=True)
+class Pending:
+    future: RpcFuture
+    peer: int
+    op: str
+    started: float
+    timer: list | None = None
+    keep: Any = None  # held until the answer (an RRef must outlive its call)
+    then: Callable[[Any, BaseException | None], None] | None = None
+    wire: Wire | None = None  # undo of what pickling did, if the callee cannot read it
+    resend: tuple | None = None  # (msg, tag, timeout, kind): it named code by hash
+
+    def settle(self, value: Any = None, error: BaseException | None = None) -> None:
+        """Complete the future, then run ``then`` (on the completing thread).
+        ``then`` is a plain call: a torch done-callback costs a GIL round trip."""
+        if error is None:
+            self.future.set_result(value)
+        else:
+            self.future.set_exception(error)
+        if self.then is not None:
+            try:
+                self.then(value, error)
+            except Exception:
+                log.exception("a request's completion hook failed")
+        self.keep = self.then = self.wire = self.resend = None
+
+
+@dataclass(slots=True)
+class Deferred:
+    """Returned by a handler whose answer is a future (``async_execution``)."""
+
+    future: torch.futures.Future
+
+
+def _unread_error(e: BaseException, name: str) -> BaseException:
+    """The error for a request that ``name`` could not unpickle (nothing of it ran)."""
+    if not isinstance(e, Exception) or isinstance(e, CodeCacheMiss):
+        return e  # (a miss: the caller resends with the definitions)
+    hint = ""
+    if isinstance(e, (AttributeError, ImportError)):
+        hint = (" The RPC pickler does not serialize the code of functions and classes "
+                "imported from a module (it does for those defined in __main__ or a "
+                "notebook cell): the callee imports them by name, so install the same "
+                "code on every worker, or define them in the notebook or script.")
+    error = SerializationError(f"{name!r} could not unpickle the request: "
+                               f"{type(e).__name__}: {e}.{hint}")
+    error.__cause__ = e
+    return error
+
+
+INTERNAL = "nbrpc:"  # the prefix of internal calls' names in the event log
+
+
+def internal(fn: Callable) -> Callable:
+    """Mark ``fn`` as nbrpc's own introspection (snapshots, probes, trace reads):
+    traces leave its calls out unless asked for them."""
+    fn.__nbrpc_internal__ = True  # type: ignore[attr-defined]
+    return fn
+
+
+def _what(msg: Any) -> str:
+    """What a request is about, for its event: the function called, or the RRef."""
+    fn = getattr(msg, "fn", None)
+    if fn is not None:  # Box.method; torch.mul's qualname is _VariableFunctionsClass.mul
+        name = getattr(fn, "__qualname__", None) or type(fn).__name__
+        name = getattr(fn, "__name__", name) if name[0] == "_" else name
+        return INTERNAL + name if getattr(fn, "__nbrpc_internal__", False) else name
+    rref_id = getattr(msg, "rref_id", None)
+    return "" if rref_id is None else f"RRef {rref_id}"
+
+
+def call_args(args: Any, kwargs: Any) -> tuple[tuple, dict]:
+    """``args`` and ``kwargs`` of a call, checked: a tuple (or list) and a dict.
+
+    >>> call_args([1, 2], None)
+    ((1, 2), {})
+    >>> call_args(5, None)
+    Traceback (most recent call last):
+    ...
+    TypeError: args must be a tuple of positional arguments, e.g. args=(5,); got int 5
+    """
+    if args is None:
+        args = ()
+    elif not isinstance(args, (tuple, list)):
+        raise TypeError(f"args must be a tuple of positional arguments, e.g. args=({args!r},); "
+                        f"got {type(args).__name__} {_short(args)}")
+    if kwargs is None:
+        kwargs = {}
+    elif not isinstance(kwargs, dict):
+        raise TypeError(f"kwargs must be a dict of keyword arguments, e.g. kwargs={{'x': 1}}; "
+                        f"got {type(kwargs).__name__} {_short(kwargs)}")
+    return tuple(args), kwargs
+
+
+def check_timeout(timeout: Any, default: float) -> float:
+    """A call's timeout in seconds: -1 (or None) means ``default``, 0 no timeout.
+
+    >>> check_timeout(-1, 60.0), check_timeout(2, 60.0)
+    (60.0, 2.0)
+    >>> check_timeout(float("nan"), 60.0)
+    Traceback (most recent call last):
+    ...
+    ValueError: timeout must be seconds >= 0 (0: no timeout) or -1 (the default, 60 s); got nan
+    """
+    if timeout is None:
+        return default
+    if not isinstance(timeout, (int, float)) or isinstance(timeout, bool):
+        raise TypeError(f"timeout must be a number of seconds (0: no timeout, -1: the "
+                        f"default {default:g} s); got {type(timeout).__name__} {_short(timeout)}")
+    if timeout == -1:
+        return default
+    if timeout == float("inf"):
+        return 0.0
+    if not timeout >= 0:  # (nan fails every comparison)
+        raise ValueError(f"timeout must be seconds >= 0 (0: no timeout) or -1 (the default, "
+                         f"{default:g} s); got {timeout!r}")
+    return float(timeout)
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+

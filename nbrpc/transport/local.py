@@ -1,0 +1,99 @@
+"""Same-host peers over a Unix domain socket (ZeroMQ's ``ipc://``).
+
+Every agent binds its ROUTER on TCP (its address in the member table) and, on
+Linux, also on an ``ipc://`` socket in a fresh private directory
+(``mkdtemp``: mode 0700, so no other user can even reach the socket file).
+It publishes that endpoint with its *host identity*: the boot id and the
+network and mount namespaces of its process. A peer with the same identity
+sees the same file system and kernel, so it connects there instead of over
+loopback TCP; measured here, a round trip costs ~40 µs less (one in six of an
+``rpc_sync``). Everything else is the same: the same ZAP/PLAIN (or CURVE)
+handshake, the same signed frames, the same link monitoring.
+
+The directory is removed when the loop closes; directories left by processes
+that died (``nbrpc-ipc-PID-*`` of this user, PID gone) are swept when the next
+one is made.
+
+>>> local_endpoint(host_identity() + "@ipc:///tmp/x/s")
+'ipc:///tmp/x/s'
+>>> local_endpoint("elsewhere@ipc:///tmp/x/s") is None
+True
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import tempfile
+from functools import lru_cache
+
+log = logging.getLogger(__name__)
+
+PREFIX = "nbrpc-ipc-"
+SWEEP_MAX = 2000  # directory entries looked at per sweep
+
+
+@lru_cache(maxsize=1)
+def _identity(pid: int) -> str:
+    parts = []
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            parts.append(f.read().strip())
+        for ns in ("net", "mnt"):
+            parts.append(str(os.stat(f"/proc/self/ns/{ns}").st_ino))
+    except OSError:  # not Linux, or no /proc: never assume a shared host
+        return f"unknown-{pid}-{id(parts)}"
+    return ":".join(parts)
+
+
+def host_identity() -> str:
+    """Equal in two processes when an ``ipc://`` path means the same socket to both."""
+    return _identity(os.getpid())
+
+
+def local_endpoint(published: str | None) -> str | None:
+    """The ``ipc://`` endpoint a peer published, if it is usable from here."""
+    if not published:
+        return None
+    host, _, endpoint = published.partition("@")
+    return endpoint if host == host_identity() and endpoint.startswith("ipc://") else None
+
+
+def make_dir() -> str:
+    """A fresh private directory for this process's socket files."""
+    sweep()
+    return tempfile.mkdtemp(prefix=f"{PREFIX}{os.getpid()}-")
+
+
+def remove_dir(path: str | None) -> None:
+    if path:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def sweep() -> int:
+    """Remove this user's socket directories whose process is gone; how many."""
+    root, uid, removed = tempfile.gettempdir(), os.getuid(), 0
+    try:
+        entries = os.scandir(root)
+    except OSError:
+        return 0
+    with entries:
+        for i, entry in enumerate(entries):
+            if i >= SWEEP_MAX:
+                break
+            if not entry.name.startswith(PREFIX):
+                continue
+            pid = entry.name[len(PREFIX):].partition("-")[0]
+            try:
+                if not pid.isdigit() or entry.stat(follow_symlinks=False).st_uid != uid:
+                    continue
+                os.kill(int(pid), 0)  # (signal 0: only asks whether it exists)
+            except ProcessLookupError:
+                shutil.rmtree(entry.path, ignore_errors=True)
+                removed += 1
+            except OSError:  # alive but not ours to signal, or vanished meanwhile
+                continue
+    if removed:
+        log.debug("removed %d socket directories of exited processes", removed)
+    return removed
