@@ -43,16 +43,19 @@ class Caller:
     def request(self, to: Any, msg: Any, timeout: float = -1.0, inline: bool = False,
                 keep: Any = None,
                 then: Callable[[Any, BaseException | None], None] | None = None,
-                ) -> RpcFuture:
+                tagged: bool = False) -> RpcFuture:
         """Send a typed request; the future completes with the handler's answer.
-        ``inline``: the handler is protocol bookkeeping run on the receiver's
-        I/O thread (it must never block). ``keep`` is held until the answer;
-        ``then(value, error)`` runs when it arrives (or the call fails)."""
+        ``inline``: the handler runs on the receiver's I/O thread (protocol
+        bookkeeping, or a handler that only looks up a future: it must never
+        block); it carries the propagated value (the autograd context) only if
+        ``tagged``, as other requests always do. ``keep`` is held until the
+        answer; ``then(value, error)`` runs when it arrives (or the call fails)."""
         if self.state not in ("ready", "stopping"):
             raise ShutdownError(f"agent {self.name!r} is {self.state}; it takes no new calls")
         peer = self.resolve(to).rank
         timeout = check_timeout(timeout, self.options.rpc_timeout)
-        tag = None if inline or self.propagator is None else self.propagator.current()
+        tag = (None if (inline and not tagged) or self.propagator is None
+               else self.propagator.current())
         if tag is not None:
             self.propagator.sent(tag, peer)
         p = Pending(RpcFuture(self._io_ident), peer, msg.op, time.perf_counter(), None,

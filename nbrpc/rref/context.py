@@ -3,10 +3,11 @@
 :class:`RRefContext` joins the pure protocol state (:mod:`.state`) to the
 agent. It
 
-* handles the requests ``remote`` and ``rref_fetch`` (on the worker pool: they
-  run user code or wait for values), and the protocol messages ``rref_fork``,
-  ``rref_child_accept`` and ``rref_delete`` (inline on the I/O thread: pure
-  bookkeeping, never queued behind user code);
+* handles the request ``remote`` (on the worker pool: it runs user code),
+  ``rref_fetch`` (inline on the I/O thread: it only looks up the value's
+  future, and the answer goes out when that completes, at once for a ready
+  value) and the protocol messages ``rref_fork``, ``rref_child_accept`` and
+  ``rref_delete`` (inline too: pure bookkeeping, never queued behind user code);
 * sends what the state returns, retrying each message (they are idempotent)
   after ``control_retry`` s, doubling, until answered, the peer is gone, or
   ``MAX_ATTEMPTS``; user calls are never retried;

@@ -193,9 +193,12 @@ class RRef(Generic[T]):
         # message that creates the value, so say so and let the owner wait.
         # If the creation failed, the owner hears it (CancelFetch) and fails
         # the Fetch at once. ``keep``: no Delete may overtake the Fetch.
+        # The owner answers on its I/O thread (``inline``): its handler only
+        # looks up the value's future, so a ready value costs no hand-off to a
+        # worker thread there; it still carries the autograd context.
         pending = self._state() == PENDING
         return agent.request(self._owner, Fetch(self._id, pending, timeout), timeout,
-                             keep=self).wait()
+                             keep=self, inline=True, tagged=True).wait()
 
     # -- proxies -----------------------------------------------------------------
     def rpc_sync(self, timeout: float = -1.0) -> Any:
