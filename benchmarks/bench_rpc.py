@@ -276,8 +276,8 @@ daemon.requestLoop()
 def bench_pyro(cfg: Config, limit_s: float) -> dict[str, Any]:
     """Row 11: Pyro5 no-op calls from this process to a server process (µs)."""
     try:
+        import Pyro5
         import Pyro5.api
-        import Pyro5.config
     except ImportError:
         return {"error": "Pyro5 is not installed (pip install Pyro5)"}
     server = subprocess.Popen([sys.executable, "-c", PYRO_SERVER], stdout=subprocess.PIPE,
