@@ -363,43 +363,46 @@ class CodeCache:
         :class:`CodeCacheMiss` (naming every digest missing) before anything
         is rebuilt when one is sent by hash and not held."""
         with self._lock:
-            missing = [d for d, blob, classes in rows
-                       if blob is None and not self._current(d, classes)]
+            held = [self._held_object(digest, classes) for digest, _, classes in rows]
+            missing = [row[0] for row, obj in zip(rows, held) if obj is None and row[1] is None]
             if missing:
                 self.misses += 1
                 raise CodeCacheMiss(missing)
-            objs = []
-            for digest, blob, classes in rows:
-                here = _made.get(digest) if self.local else None
-                if here is not None:
+            for i, (digest, blob, classes) in enumerate(rows):
+                if held[i] is None:
+                    held[i] = self._load(digest, blob, classes)
+                else:
                     self.hits += 1
-                    objs.append(here)
-                    continue
-                if self._current(digest, classes):
-                    self.hits += 1
-                    self._objs.move_to_end(digest)
-                    objs.append(self._objs[digest])
-                    continue
-                if hashlib.blake2b(blob, digest_size=DIGEST_SIZE).digest() != digest:
-                    raise SerializationError("a definition does not match its digest")
-                obj = pickle.loads(blob)
-                self.loaded += 1
-                self._objs[digest] = obj
-                self._objs.move_to_end(digest)
-                for tracker, d in classes:
-                    self._applied[tracker] = d
-                    self._applied.move_to_end(tracker)
-                while len(self._objs) > self.max_entries:
-                    self._objs.popitem(last=False)
-                while len(self._applied) > 4 * self.max_entries:
-                    self._applied.popitem(last=False)
-                objs.append(obj)
-            return objs
+            return held
 
-    def _current(self, digest: bytes, classes: tuple) -> bool:
-        if self.local and digest in _made:
-            return True
-        return digest in self._objs and all(self._applied.get(t) == d for t, d in classes)
+    def _held_object(self, digest: bytes, classes: tuple) -> Any:
+        """The object for ``digest`` if held here with its classes at the state
+        the sender has (see the module docstring), else None."""
+        obj = self._objs.get(digest)
+        if obj is not None:
+            applied = self._applied
+            for tracker, d in classes:
+                if applied.get(tracker) != d:
+                    return None
+            self._objs.move_to_end(digest)
+            return obj
+        return _made.get(digest) if self.local else None
+
+    def _load(self, digest: bytes, blob: bytes, classes: tuple) -> Any:
+        if hashlib.blake2b(blob, digest_size=DIGEST_SIZE).digest() != digest:
+            raise SerializationError("a definition does not match its digest")
+        obj = pickle.loads(blob)
+        self.loaded += 1
+        self._objs[digest] = obj
+        self._objs.move_to_end(digest)
+        for tracker, d in classes:
+            self._applied[tracker] = d
+            self._applied.move_to_end(tracker)
+        while len(self._objs) > self.max_entries:
+            self._objs.popitem(last=False)
+        while len(self._applied) > 4 * self.max_entries:
+            self._applied.popitem(last=False)
+        return obj
 
     def clear(self) -> None:
         """Drop every definition held (as a restarted worker would have none)."""
