@@ -466,3 +466,12 @@ def test_threads_share_entries_safely() -> None:
     for t in threads:
         t.join(30)
     assert not errors and len(digests) == 1
+
+
+def test_keyword_only_defaults_are_watched() -> None:
+    ns = cell("def f(x, *, scale=2):\n    return x * scale")
+    before = entry_for(ns["f"]).digest
+    ns["f"].__kwdefaults__ = {"scale": 3}  # a new dict
+    mid = entry_for(ns["f"]).digest
+    ns["f"].__kwdefaults__["scale"] = 4  # the same dict, changed
+    assert len({before, mid, entry_for(ns["f"]).digest}) == 3

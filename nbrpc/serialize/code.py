@@ -108,6 +108,7 @@ class _Reach:
 
     funcs: list[types.FunctionType]
     with_attrs: list[types.FunctionType]  # those with attributes (functools.wraps, ...)
+    kw_only: list[types.FunctionType]  # those with keyword-only parameters
     kwdefaults: list[dict]
     cells: list[types.CellType]
     classes: list[type]
@@ -122,7 +123,7 @@ class _Reach:
         same = list(map(_CODE, funcs))
         same += map(len, map(_DICT, funcs))  # an attribute added later changes it
         ident = list(map(_DEFAULTS, funcs))
-        ident += map(_KWDEFAULTS, funcs)
+        ident += map(_KWDEFAULTS, self.kw_only)  # (without such parameters it has no effect)
         for f in self.with_attrs:
             same += f.__dict__
             ident += f.__dict__.values()
@@ -141,7 +142,7 @@ class _Reach:
 def _reach(root: Any) -> _Reach | None:
     """Walk what pickling ``root`` by value would include; None if any of it
     is mutable (or assigns globals), so that a cached copy could go stale."""
-    r = _Reach([], [], [], [], [], [])
+    r = _Reach([], [], [], [], [], [], [])
     scopes: dict[int, tuple[dict, dict[str, None]]] = {}
     seen: set[int] = set()
     todo = [root]
@@ -161,6 +162,8 @@ def _reach(root: Any) -> _Reach | None:
             if _writes_globals(obj.__code__):
                 return None
             r.funcs.append(obj)
+            if obj.__code__.co_kwonlyargcount:
+                r.kw_only.append(obj)
             todo.extend(obj.__defaults__ or ())
             if obj.__kwdefaults__:
                 r.kwdefaults.append(obj.__kwdefaults__)
