@@ -270,6 +270,8 @@ def _defined(obj: Any) -> Entry | None:
     blob = _blob(obj)
     e = Entry(obj, reach, snap, hashlib.blake2b(blob, digest_size=DIGEST_SIZE).digest(),
               blob, None)
+    log.debug("definition of %s: %d bytes, digest %s", getattr(obj, "__qualname__", obj),
+              len(blob), e.digest.hex()[:12])
     with _entries_lock:
         if len(_entries) >= ENTRIES_MAX:
             del _entries[next(iter(_entries))]
@@ -396,6 +398,8 @@ class CodeCache:
             raise SerializationError("a definition does not match its digest")
         obj = pickle.loads(blob)
         self.loaded += 1
+        log.debug("rebuilt %s from a definition of %d bytes (digest %s)",
+                  getattr(obj, "__qualname__", obj), len(blob), digest.hex()[:12])
         self._objs[digest] = obj
         self._objs.move_to_end(digest)
         for tracker, d in classes:
