@@ -364,3 +364,68 @@ def test_forks_in_a_request_the_callee_cannot_unpickle_are_undone(group) -> None
     assert poll_for(lambda: not a.ext["rref"].state.children)
     del r
     assert poll_for(lambda: freed("unread"))
+
+
+# -- to_here() answered on the owner's I/O thread (issue 15's shortcut) ------------------
+def slow_value(seconds: float, tag: str) -> Tracked:
+    time.sleep(seconds)
+    return Tracked(tag)
+
+
+def test_fetch_overtaking_its_creation_waits_for_the_value(group) -> None:
+    a, b, _ = group
+    a.faults.add("remote", "delay", delay=0.3)  # the Fetch reaches b first
+    r = remote(a, "b", Tracked, ("late",), {}, -1)
+    assert r.to_here().tag == "late"
+    assert a.faults.fired == [("remote", "request", "delay")]
+    del r
+    assert poll_for(lambda: freed("late"))
+
+
+def test_fetch_waiting_for_a_slow_value_does_not_hold_the_owner(group) -> None:
+    """The owner's I/O thread only registers the wait: other calls to the owner
+    are served meanwhile, and the answer goes out when the value is set."""
+    a, b, _ = group
+    r = remote(a, "b", slow_value, (1.0, "slow"), {}, -1)
+    fetch = a.request("b", _fetch_of(r), timeout=10, inline=True, tagged=True, keep=r)
+    assert a.rpc_async("b", tags_in, ({"refs": []},)).wait() == []  # served meanwhile
+    assert not fetch.done()
+    assert fetch.wait().tag == "slow"
+    del r, fetch
+    assert poll_for(lambda: freed("slow"))
+
+
+def _fetch_of(r: RRef):
+    from nbrpc.rref.context import Fetch
+
+    return Fetch(r._id, True, 10.0)
+
+
+def test_lost_fetch_answer_times_out_and_the_next_fetch_works(group) -> None:
+    a, b, _ = group
+    r = remote(a, "b", Tracked, ("lost",), {}, -1)
+    b.faults.add("rref_fetch", "drop", reply=True)
+    with pytest.raises(TimeoutError):
+        r.to_here(timeout=0.5)
+    assert r.to_here().tag == "lost"  # the owner and the RRef are unharmed
+    del r
+    assert poll_for(lambda: freed("lost"))
+
+
+def test_delayed_fetch_answers_arrive_for_their_own_calls(group) -> None:
+    a, b, _ = group
+    r1 = remote(a, "b", Tracked, ("first",), {}, -1)
+    r2 = remote(a, "b", Tracked, ("second",), {}, -1)
+    assert (r1.to_here().tag, r2.to_here().tag) == ("first", "second")  # both confirmed
+    b.faults.add("rref_fetch", "delay", reply=True, delay=0.3)  # the next answer comes late
+    got: list[str] = []
+    started = time.perf_counter()
+    first = threading.Thread(target=lambda r: got.append(r.to_here().tag), args=(r1,))
+    first.start()
+    assert poll_for(lambda: b.faults.fired)  # r1's answer is the one held back
+    assert a.unanswered_since(started) == 1
+    assert r2.to_here().tag == "second"  # overtakes it, and is its own answer
+    first.join(5)
+    assert got == ["first"]
+    del r1, r2
+    assert poll_for(lambda: freed("first") and freed("second"))
