@@ -349,6 +349,7 @@ def test_concurrent_first_calls_all_carry_the_definition(trio) -> None:
     a, b, _ = trio
     b.codes.local = False  # rebuild, as another process would
     ns = cell("def f(x):\n    return x * 2")
+    b.faults.add("call", "delay", times=20, delay=0.5, reply=True)  # no answer yet
     futs = [a.rpc_async("b", ns["f"], (i,)) for i in range(20)]
     assert [f.wait() for f in futs] == [2 * i for i in range(20)]
     assert (a.codes.sent_full, a.codes.sent_ref, b.codes.misses) == (20, 0, 0)
