@@ -170,11 +170,10 @@ def test_socket_directories_of_exited_processes_are_swept(tmp_path) -> None:
     done = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
                           capture_output=True, text=True, timeout=30)
     dead = int(done.stdout)  # exited (and reaped): its directory is stale
-    stale = tempfile.mkdtemp(prefix=f"{local.PREFIX}{dead}-")
-    mine = tempfile.mkdtemp(prefix=f"{local.PREFIX}{os.getpid()}-")
-    try:
-        assert local.sweep() >= 1
-        assert not os.path.exists(stale) and os.path.exists(mine)  # a live process keeps its
-    finally:
-        local.remove_dir(stale)
-        local.remove_dir(mine)
+    stale = tempfile.mkdtemp(prefix=f"{local.PREFIX}{dead}-", dir=tmp_path)
+    mine = tempfile.mkdtemp(prefix=f"{local.PREFIX}{os.getpid()}-", dir=tmp_path)
+    other = tmp_path / "unrelated"
+    other.mkdir()
+    assert local.sweep(str(tmp_path)) == 1
+    assert not os.path.exists(stale) and os.path.exists(mine)  # a live process keeps its
+    assert other.exists()

@@ -31,7 +31,7 @@ from functools import lru_cache
 log = logging.getLogger(__name__)
 
 PREFIX = "nbrpc-ipc-"
-SWEEP_MAX = 2000  # directory entries looked at per sweep
+SWEEP_MAX = 20_000  # directory entries looked at per sweep (by name; few are stat-ed)
 
 
 @lru_cache(maxsize=1)
@@ -71,9 +71,10 @@ def remove_dir(path: str | None) -> None:
         shutil.rmtree(path, ignore_errors=True)
 
 
-def sweep() -> int:
-    """Remove this user's socket directories whose process is gone; how many."""
-    root, uid, removed = tempfile.gettempdir(), os.getuid(), 0
+def sweep(root: str | None = None) -> int:
+    """Remove this user's socket directories whose process is gone, in ``root``
+    (the temporary directory by default); how many."""
+    root, uid, removed = root or tempfile.gettempdir(), os.getuid(), 0
     try:
         entries = os.scandir(root)
     except OSError:
