@@ -23,7 +23,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import free_ports
+from conftest import free_ports, local_group, poll_for
 
 from nbrpc.errors import CodeCacheMiss, RpcTimeoutError, SerializationError
 from nbrpc.rref import remote
@@ -379,13 +379,14 @@ def test_late_definition_then_ref(trio) -> None:
     assert a.codes.sent_ref == 1
 
 
-def test_member_gone_forgets_what_it_held(trio) -> None:
-    a, b, _ = trio
-    ns = cell("def f():\n    return 1")
-    a.rpc_async("b", ns["f"]).wait()
-    assert a.codes.holds(b.rank, entry_for(ns["f"]).digest)
-    a.codes.forget(b.rank)
-    assert not a.codes.holds(b.rank, entry_for(ns["f"]).digest)
+def test_member_gone_forgets_what_it_held() -> None:
+    with local_group(["a", "b", "c"], dynamic=True) as (a, _, c):
+        ns = cell("def f():\n    return 1")
+        a.rpc_async("c", ns["f"]).wait()
+        digest = entry_for(ns["f"]).digest
+        assert a.codes.holds(c.rank, digest)
+        c.shutdown()  # leaves the group: a later process under that rank holds nothing
+        assert poll_for(lambda: not a.codes.holds(c.rank, digest), timeout=10)
 
 
 # -- real processes: a driver script with a real __main__ ------------------------------

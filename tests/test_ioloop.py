@@ -10,6 +10,7 @@ import tempfile
 import threading
 import time
 
+import pytest
 import zmq
 from conftest import poll_for
 
@@ -143,21 +144,16 @@ def test_same_host_peer_is_reached_over_its_unix_socket() -> None:
     assert not os.path.exists(directory)  # removed with the loop
 
 
-def test_other_host_or_no_ipc_uses_tcp() -> None:
-    a, b, got = _pair()
+@pytest.mark.parametrize("case", ["other host", "ipc off"])
+def test_other_host_or_no_ipc_uses_tcp(case: str) -> None:
+    a, b, got = _pair(ipc=case != "ipc off")
     try:
-        elsewhere = "another-host@" + b.local_address.partition("@")[2]
-        a.set_address(1, b.address, elsewhere)  # another kernel: the path means nothing
-        a.send(1, 0, 1, b"x")
-        assert poll_for(lambda: got, timeout=5)
-        assert _endpoint(a, 1).startswith("tcp://")
-    finally:
-        a.stop()
-        b.stop()
-    a, b, got = _pair(ipc=False)
-    try:
-        assert b.local_address is None and b._ipc_dir is None
-        a.set_address(1, b.address, None)
+        if case == "other host":  # another kernel: the path means nothing there
+            published = "another-host@" + b.local_address.partition("@")[2]
+        else:
+            assert b.local_address is None and b._ipc_dir is None
+            published = None
+        a.set_address(1, b.address, published)
         a.send(1, 0, 1, b"x")
         assert poll_for(lambda: got, timeout=5)
         assert _endpoint(a, 1).startswith("tcp://")

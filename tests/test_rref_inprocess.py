@@ -387,18 +387,18 @@ def test_fetch_waiting_for_a_slow_value_does_not_hold_the_owner(group) -> None:
     are served meanwhile, and the answer goes out when the value is set."""
     a, b, _ = group
     r = remote(a, "b", slow_value, (1.0, "slow"), {}, -1)
-    fetch = a.request("b", _fetch_of(r), timeout=10, inline=True, tagged=True, keep=r)
+    got: list[str] = []
+    fetch = threading.Thread(target=lambda rr: got.append(rr.to_here().tag), args=(r,))
+    fetch.start()
+    assert poll_for(lambda: any((e["event"], e["op"]) == ("send", "rref_fetch")
+                                for e in a.snapshot()["events"]))
+    # sent after the Fetch on the same connection, so b's I/O thread reads it after
     assert a.rpc_async("b", tags_in, ({"refs": []},)).wait() == []  # served meanwhile
-    assert not fetch.done()
-    assert fetch.wait().tag == "slow"
-    del r, fetch
+    assert not got  # (the value takes 1 s)
+    fetch.join(10)
+    assert got == ["slow"]
+    del r
     assert poll_for(lambda: freed("slow"))
-
-
-def _fetch_of(r: RRef):
-    from nbrpc.rref.context import Fetch
-
-    return Fetch(r._id, True, 10.0)
 
 
 def test_lost_fetch_answer_times_out_and_the_next_fetch_works(group) -> None:
