@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import _thread
 import gc
+import socket
+import struct
 import logging
 import threading
 import time
@@ -25,7 +27,9 @@ from nbrpc.errors import (
     WorkerGoneError,
 )
 from nbrpc.rpc.functions import async_execution
-from nbrpc.transport import local, new_key, pack
+from nbrpc.transport import local, new_key, pack, unix
+from nbrpc.transport.auth import connect_token
+from nbrpc.transport.unix import UnixSender
 
 
 # -- functions that run remotely (importable: pickled by reference) -------------
@@ -305,13 +309,26 @@ def test_tampered_message_dropped_unread(trio) -> None:
         s.send_multipart([bytes(32), b"\x01" * 24, evil])  # not even framed
         s.send_multipart(pack(new_key(), 1, 0, 1, evil))  # framed, signed with another key
         assert poll_for(lambda: sum(b.io.dropped.values()) == 3)
-    with intruder(local.local_endpoint(b.io.local_address)) as s:  # the Unix socket too
-        s.send_multipart(pack(new_key(), 1, 0, 1, evil), flags=zmq.NOBLOCK)
-        time.sleep(0.3)
+    path = unix.path_of(local.local_endpoint(b.io.local_address))  # the Unix socket too
+    frames = pack(new_key(), 1, 0, 1, evil)
+    with socket.socket(socket.AF_UNIX) as s:  # no key: refused, nothing read
+        s.connect(path)
+        s.sendall(evil + bytes(64))
+        assert poll_for(lambda: b.io.dropped["refused connection"] == 2)
+    with socket.socket(socket.AF_UNIX) as s:  # past the handshake, but cannot sign
+        s.connect(path)
+        s.sendall(unix.MAGIC + connect_token(b._key) + _unix_message(frames))
+        assert poll_for(lambda: b.io.dropped["bad signature"] == 2)
     counters = b.snapshot()["counters"]
-    assert counters["dropped"] == {"refused connection": 1, "framing": 1, "bad signature": 1}
-    assert counters["dropped_bad_signature"] == 1
+    assert counters["dropped"] == {"refused connection": 2, "framing": 1, "bad signature": 2}
+    assert counters["dropped_bad_signature"] == 2
     assert a.rpc_async("b", add, (5, 5)).wait() == 10
+
+
+def _unix_message(frames: list) -> bytes:
+    """One message as :mod:`nbrpc.transport.unix` frames it."""
+    return (struct.pack("<I", len(frames)) + b"".join(struct.pack("<Q", len(f)) for f in frames)
+            + b"".join(frames))
 
 
 # -- observability ---------------------------------------------------------------------
@@ -697,5 +714,7 @@ def test_members_on_this_host_talk_over_unix_sockets(trio) -> None:
     assert a.rpc_async("b", add, (1, 2)).wait() == 3
     assert b.rpc_async("c", add, (2, 2)).wait() == 4
     for src, dst in ((a, b), (b, c), (b, a)):  # (b answers a on its own connection)
-        endpoint = src.io._dealers[dst.rank].sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        sock = src.io._dealers[dst.rank].sock
+        assert isinstance(sock, UnixSender), (src.name, dst.name)
+        endpoint = f"unix://{sock.path}"
         assert endpoint == local.local_endpoint(dst.io.local_address), (src.name, dst.name)

@@ -15,6 +15,7 @@ import zmq
 from conftest import poll_for
 
 from nbrpc.transport import IOLoop, local, new_key
+from nbrpc.transport.unix import UnixSender
 
 
 def _loop(received: list) -> IOLoop:
@@ -123,13 +124,16 @@ def _pair(ipc: bool = True) -> tuple[IOLoop, IOLoop, list]:
 
 
 def _endpoint(loop: IOLoop, peer: int) -> str:
-    return loop._dealers[peer].sock.getsockopt_string(zmq.LAST_ENDPOINT)
+    sock = loop._dealers[peer].sock
+    if isinstance(sock, UnixSender):
+        return f"unix://{sock.path}"
+    return sock.getsockopt_string(zmq.LAST_ENDPOINT)
 
 
 def test_same_host_peer_is_reached_over_its_unix_socket() -> None:
     a, b, got = _pair()
     try:
-        assert b.local_address.startswith(local.host_identity() + "@ipc://")
+        assert b.local_address.startswith(local.host_identity() + "@unix://")
         directory = b._ipc_dir
         assert stat.S_IMODE(os.stat(directory).st_mode) == 0o700  # no other user gets in
         a.set_address(1, b.address, b.local_address)
@@ -173,3 +177,22 @@ def test_socket_directories_of_exited_processes_are_swept(tmp_path) -> None:
     assert local.sweep(str(tmp_path)) == 1
     assert not os.path.exists(stale) and os.path.exists(mine)  # a live process keeps its
     assert other.exists()
+
+
+def test_a_cancelled_timer_lets_go_of_its_arguments_at_once() -> None:
+    # (an RRef value's future waited in a cancelled 60 s expiry: held for 60 s)
+    import gc
+    import weakref
+
+    from nbrpc.transport.timers import Timers
+
+    class Value:
+        pass
+
+    timers, value = Timers(), Value()
+    alive = weakref.ref(value)
+    handle = timers.add(time.monotonic() + 60, print, (value,))
+    del value
+    timers.cancel(handle)
+    gc.collect()
+    assert alive() is None and len(timers) == 1  # (the entry itself waits for its time)

@@ -44,9 +44,12 @@ key, so a peer without the key cannot even complete a connection: nothing it
 sends reaches the I/O thread. For traffic that crosses networks you do not
 trust; on one host or a private network, signing alone is enough and faster.
 
-Same host: the ROUTER is also bound on a Unix domain socket in a private
+Same host: the loop also listens on a plain Unix domain socket in a private
 directory, and a peer on the same host (same boot, network and mount
-namespaces) connects there rather than over loopback TCP (:mod:`.local`).
+namespaces) connects there rather than over loopback TCP (:mod:`.local`), with
+no libzmq in between (:mod:`.unix`: the same handshake token, signed frames
+and bounds; ~30 µs less per round trip). Which backend a peer gets follows the
+scheme of its address: ``unix://`` or zmq's ``tcp://``.
 
 Links: every DEALER is watched by a libzmq socket monitor, so the agent
 learns within milliseconds that the process at the other end is gone (the
@@ -68,7 +71,7 @@ from typing import Any
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from . import local, shm
+from . import local, shm, unix
 from .auth import connect_token, curve_keys, zap_answer  # (connect_token: re-exported)
 from .frames import (
     DEFAULT_MAX_MESSAGE,
@@ -135,7 +138,7 @@ class IOLoop:
         self._router.setsockopt(zmq.MAXMSGSIZE, self.max_message_size + MAX_HEADER + SIG_LEN)
         self._curve = curve_keys(key) if encrypt else None
         self._zap: zmq.Socket | None = None
-        self.refused_connections = 0  # handshakes refused: no key
+        self._refused_zap = 0  # handshakes refused: no key
         if self._curve is not None:
             self._router.setsockopt(zmq.CURVE_SERVER, 1)
             self._router.setsockopt(zmq.CURVE_SECRETKEY, self._curve[1])
@@ -143,18 +146,19 @@ class IOLoop:
             self._zap = self._ctx.socket(zmq.REP)
             self._zap.setsockopt(zmq.LINGER, 0)
             self._zap.bind("inproc://zeromq.zap.01")
-            self._token = connect_token(key)
             self._router.setsockopt(zmq.PLAIN_SERVER, 1)
             self._router.setsockopt(zmq.ZAP_DOMAIN, b"nbrpc")
+        self._token = connect_token(key)
         self._dealers: dict[int, _Dealer] = {}
         self._same_host: dict[int, bool] = {}
         self._shm = shm.ShmWriter(copy or shm.plain_copy) if shm.available() else None
         self._dealers_lock = threading.Lock()
         self._addresses: dict[int, str] = {}
-        self._ipc = ipc
+        self._ipc = ipc and not encrypt  # (encrypt: every connection is CURVE)
         self._ipc_dir: str | None = None
-        self.local_address: str | None = None  # "HOST@ipc://..." for peers on this host
-        self._local: dict[int, str] = {}  # peer -> its ipc:// endpoint, if on this host
+        self._unix: unix.UnixHub | None = None
+        self.local_address: str | None = None  # "HOST@unix://..." for peers on this host
+        self._local: dict[int, str] = {}  # peer -> its unix:// endpoint, if on this host
         # Messages to a member whose address has not reached us yet (a peer that
         # got the member table first may call us before we have it), sent in
         # order once it does; a forgotten peer's messages are dropped instead.
@@ -200,18 +204,22 @@ class IOLoop:
         return self.address
 
     def _bind_ipc(self) -> str | None:
-        """Also bind a Unix domain socket (see :mod:`.local`); None if that fails."""
+        """Also listen on a Unix domain socket (see :mod:`.local` and
+        :mod:`.unix`); None if that fails."""
         try:
             self._ipc_dir = local.make_dir()
-            where = f"ipc://{self._ipc_dir}/s"
-            self._router.bind(where)
-        except (OSError, zmq.ZMQError) as e:
+            where = f"{self._ipc_dir}/s"
+            self._unix = unix.UnixHub(
+                where, self._token, self.max_message_size + MAX_HEADER + SIG_LEN,
+                deliver=self._deliver, note_drop=self.note_drop, call_later=self.call_later,
+                links=self._links, name=self._name)
+        except OSError as e:
             log.debug("%s: no Unix domain socket (%s); peers on this host use TCP",
                       self._name, e)
             local.remove_dir(self._ipc_dir)
             self._ipc_dir = None
             return None
-        return f"{local.host_identity()}@{where}"
+        return f"{local.host_identity()}@unix://{where}"
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
@@ -257,6 +265,12 @@ class IOLoop:
             log.warning("dropping %d message(s) to peer %d: it left before its address "
                         "was known", len(dropped), peer)
         self.call_soon(self._drop_dealer, peer)
+
+    @property
+    def refused_connections(self) -> int:
+        """Connections refused: without the group's key (or, on the Unix
+        socket, from another user, or not authenticated in time)."""
+        return self._refused_zap + (self._unix.refused if self._unix is not None else 0)
 
     @property
     def dropped_bad(self) -> int:
@@ -369,7 +383,11 @@ class IOLoop:
                     out, size = queue.popleft()
                     if sock.closed:
                         continue
-                    sock.send_multipart(out, copy=False)
+                    try:
+                        sock.send_multipart(out, copy=False)
+                    except BufferError as e:  # a Unix socket whose peer reads nothing
+                        self.note_drop("send queue full", str(e))
+                        continue
                     dealer.sent_msgs += 1
                     dealer.sent_bytes += size
             finally:
@@ -401,6 +419,9 @@ class IOLoop:
         """Connect to ``peer`` (the caller holds the dealers' lock)."""
         if self._stopping or self._ctx.closed:
             return None
+        endpoint = self._local.get(peer)
+        if endpoint is not None and endpoint.startswith("unix://"):
+            return self._new_unix_dealer(peer, endpoint)
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.SNDHWM, 0)
         sock.setsockopt(zmq.LINGER, _LINGER_MS)
@@ -414,15 +435,34 @@ class IOLoop:
             sock.setsockopt(zmq.PLAIN_PASSWORD, self._token)
         monitor = sock.get_monitor_socket(_LINK_EVENTS)
         self._links[peer] = time.monotonic()  # down until connected
-        sock.connect(self._local.get(peer, address))
+        sock.connect(endpoint or address)
         dealer = self._dealers[peer] = _Dealer(sock, monitor)
         self.call_soon(self._watch, peer, dealer)
         return dealer
+
+    def _new_unix_dealer(self, peer: int, endpoint: str) -> _Dealer:
+        """A plain Unix socket to ``peer`` (see :mod:`.unix`)."""
+        box: list = []
+        sender = unix.UnixSender(endpoint, self._token,
+                                 lambda: self.call_soon(self._want_write, peer, box[0]))
+        dealer = self._dealers[peer] = _Dealer(sender)
+        box.append(dealer)
+        self._links[peer] = None if sender.connected else time.monotonic()
+        self.call_soon(self._watch, peer, dealer)
+        return dealer
+
+    def _want_write(self, peer: int, dealer: _Dealer) -> None:
+        if self._unix is not None:
+            self._unix.want_write(peer, dealer)
 
     def _watch(self, peer: int, dealer: _Dealer) -> None:
         """Poll ``dealer``'s monitor (on the I/O thread, which owns the poller)."""
         if self._poller is None or dealer.sock.closed or self._dealers.get(peer) is not dealer:
             _close_monitor(dealer)
+            return
+        if dealer.monitor is None:  # a plain Unix socket: watched by the hub
+            if self._unix is not None:
+                self._unix.watch(peer, dealer)
             return
         self._monitors[dealer.monitor] = (peer, dealer)
         self._poller.register(dealer.monitor, zmq.POLLIN)
@@ -456,7 +496,7 @@ class IOLoop:
                 return
             reply, refused = zap_answer(request, self._token)
             if refused is not None:
-                self.refused_connections += 1
+                self._refused_zap += 1
                 self.note_drop("refused connection",
                                f"a connection from {refused} without the group's key")
             zap.send_multipart(reply)
@@ -525,6 +565,8 @@ class IOLoop:
             _close_monitor(dealer)
         self._monitors.clear()
         self._router.close(linger=0)
+        if self._unix is not None:
+            self._unix.close()
         if self._zap is not None:
             self._zap.close(linger=0)
         self._ctx.term()
@@ -543,7 +585,10 @@ class IOLoop:
         poller.register(self._wake_r, zmq.POLLIN)
         if self._zap is not None:
             poller.register(self._zap, zmq.POLLIN)
+        if self._unix is not None:
+            self._unix.start(poller)
         router, queue, monitors = self._router, self._queue, self._monitors
+        others = self._unix.handlers if self._unix is not None else {}
         try:
             while not self._stopping:
                 # Announce the sleep before reading the timers: a timer added
@@ -567,8 +612,10 @@ class IOLoop:
                 if router in ready:
                     self._recv_batch()
                 if len(ready) > (router in ready) + (self._wake_r in ready):
-                    for sock in ready:
-                        if sock in monitors:
+                    for sock, events in ready.items():
+                        if sock in others:
+                            others[sock](sock, events)
+                        elif sock in monitors:
                             self._on_link_events(sock)
                         elif sock is self._zap:
                             self._authenticate()
@@ -595,6 +642,8 @@ class IOLoop:
             if entry is not None:
                 self._links.pop(peer, None)
         if entry is not None:
+            if entry.monitor is None and self._unix is not None:
+                self._unix.forget(entry)
             with entry.lock:
                 entry.sock.close(linger=linger)
             self._unwatch(entry)
@@ -666,7 +715,8 @@ class _Dealer:
 
     __slots__ = ("sock", "monitor", "lock", "queue", "sent_msgs", "sent_bytes")
 
-    def __init__(self, sock: zmq.Socket, monitor: zmq.Socket | None = None) -> None:
+    def __init__(self, sock: zmq.Socket | unix.UnixSender,
+                 monitor: zmq.Socket | None = None) -> None:
         self.sock = sock
         self.monitor = monitor
         self.lock = threading.Lock()

@@ -1,22 +1,23 @@
-"""Same-host peers over a Unix domain socket (ZeroMQ's ``ipc://``).
+"""Which peers share this host, and a private directory for socket files.
 
 Every agent binds its ROUTER on TCP (its address in the member table) and, on
-Linux, also on an ``ipc://`` socket in a fresh private directory
-(``mkdtemp``: mode 0700, so no other user can even reach the socket file).
-It publishes that endpoint with its *host identity*: the boot id and the
-network and mount namespaces of its process. A peer with the same identity
-sees the same file system and kernel, so it connects there instead of over
-loopback TCP; measured here, a round trip costs ~40 µs less (one in six of an
-``rpc_sync``). Everything else is the same: the same ZAP/PLAIN (or CURVE)
-handshake, the same signed frames, the same link monitoring.
+Linux, also listens on a plain Unix domain socket (:mod:`.unix`) in a fresh
+private directory (``mkdtemp``: mode 0700, so no other user can even reach
+the socket file). It publishes that endpoint (``unix://PATH``) with its
+*host identity*: the boot id and the network and mount namespaces of its
+process. A peer with the same identity sees the same file system and kernel,
+so it connects there instead of over loopback TCP. What differs from TCP is
+only the path: the connection is authenticated before anything is read, and
+every message is signed, as over TCP. (With ``encrypt=True`` every connection
+uses zmq's CURVE over TCP instead.)
 
 The directory is removed when the loop closes; directories left by processes
 that died (``nbrpc-ipc-PID-*`` of this user, PID gone) are swept when the next
 one is made.
 
->>> local_endpoint(host_identity() + "@ipc:///tmp/x/s")
-'ipc:///tmp/x/s'
->>> local_endpoint("elsewhere@ipc:///tmp/x/s") is None
+>>> local_endpoint(host_identity() + "@unix:///tmp/x/s")
+'unix:///tmp/x/s'
+>>> local_endpoint("elsewhere@unix:///tmp/x/s") is None
 True
 """
 
@@ -57,7 +58,7 @@ def local_endpoint(published: str | None) -> str | None:
     if not published:
         return None
     host, _, endpoint = published.partition("@")
-    return endpoint if host == host_identity() and endpoint.startswith("ipc://") else None
+    return endpoint if host == host_identity() and endpoint.startswith("unix://") else None
 
 
 def make_dir() -> str:

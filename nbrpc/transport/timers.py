@@ -48,8 +48,12 @@ class Timers:
         return entry
 
     def cancel(self, entry: list) -> None:
+        """Cancel ``entry``; its arguments are let go at once (a cancelled
+        entry stays in the heap until its time, and what it would have been
+        called with, say an RRef value's future, must not live that long)."""
         if entry[2] is not None:
             entry[2] = None
+            entry[3] = ()
             self._cancelled += 1
 
     def sleep_ms(self, now: float, longest: int) -> int:

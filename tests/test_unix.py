@@ -1,0 +1,212 @@
+"""The plain Unix-socket transport between agents on one host (nbrpc.transport.unix).
+
+Unit tests drive a UnixSender and a UnixReceiver over a real socket pair with
+no I/O thread; the IOLoop tests below check what the loop adds: the handshake,
+bounds, link state and reconnection.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import struct
+import time
+
+import pytest
+from conftest import poll_for
+
+from nbrpc.transport import IOLoop, local, new_key, pack
+from nbrpc.transport.frames import unpack
+from nbrpc.transport.auth import connect_token
+from nbrpc.transport.unix import MAGIC, Refused, UnixReceiver, UnixSender, listen, path_of
+
+TOKEN = b"t" * 64
+
+
+def _wire(frames: list[bytes]) -> bytes:
+    return (struct.pack("<I", len(frames)) + b"".join(struct.pack("<Q", len(f)) for f in frames)
+            + b"".join(frames))
+
+
+@pytest.fixture
+def link(tmp_path):
+    """A connected sender and the receiver of its accepted connection."""
+    path = str(tmp_path / "s")
+    listener = listen(path)
+    wants: list = []
+    sender = UnixSender(f"unix://{path}", TOKEN, lambda: wants.append(1))
+    conn, _ = listener.accept()
+    conn.setblocking(False)
+    receiver = UnixReceiver(conn, TOKEN, max_size=1 << 20)
+    yield sender, receiver, wants
+    sender.close()
+    receiver.close()
+    listener.close()
+
+
+def _read_all(receiver: UnixReceiver, want: int, sender: UnixSender | None = None) -> list:
+    got: list = []
+    deadline = time.monotonic() + 5
+    while len(got) < want and time.monotonic() < deadline:
+        if sender is not None:
+            sender.flush()
+        messages, closed = receiver.read()
+        got += messages
+        assert not closed
+    return got
+
+
+def test_messages_arrive_whole_and_in_order(link) -> None:
+    sender, receiver, _ = link
+    for i in range(100):
+        sender.send_multipart([b"head%d" % i, b"", bytes([i]) * i])
+    got = _read_all(receiver, 100)
+    assert receiver.authenticated
+    assert [[bytes(f) for f in m] for m in got] == [
+        [b"head%d" % i, b"", bytes([i]) * i] for i in range(100)]
+    got[5][2][0] = 7  # frames are private and writable (torch builds tensors on them)
+
+
+def test_a_message_larger_than_the_socket_buffer_waits_for_the_io_thread(link) -> None:
+    sender, receiver, wants = link
+    big = os.urandom(900_000)  # several times the kernel's socket buffer
+    sender.send_multipart([b"h", big])
+    sender.send_multipart([b"after"])
+    assert sender.pending and wants  # the caller did not block; the rest waits
+    got = _read_all(receiver, 2, sender)
+    assert bytes(got[0][1]) == big and bytes(got[1][0]) == b"after"
+    assert not sender.pending
+
+
+def test_a_message_above_the_maximum_is_skipped_and_the_stream_stays_in_step(link) -> None:
+    sender, receiver, _ = link
+    sender.send_multipart([b"a"])
+    sender.send_multipart([b"x" * ((1 << 20) + 1)])
+    sender.send_multipart([b"b"])
+    got = _read_all(receiver, 2, sender)
+    assert [bytes(m[0]) for m in got] == [b"a", b"b"]
+    assert len(receiver.skipped) == 1 and "accepted" in receiver.skipped[0]
+
+
+def test_without_the_token_nothing_is_read(tmp_path) -> None:
+    a, b = socket.socketpair(socket.AF_UNIX)
+    b.setblocking(False)
+    receiver = UnixReceiver(b, TOKEN, 1 << 20)
+    a.sendall(MAGIC + b"w" * 64 + _wire([b"payload"]))
+    with pytest.raises(Refused):
+        receiver.read()
+    a.close()
+    receiver.close()
+
+
+def test_a_stream_out_of_step_is_refused() -> None:
+    a, b = socket.socketpair(socket.AF_UNIX)
+    b.setblocking(False)
+    receiver = UnixReceiver(b, TOKEN, 1 << 20)
+    a.sendall(MAGIC + TOKEN + struct.pack("<I", 0))  # a message of no frames
+    with pytest.raises(Refused, match="0 frames"):
+        receiver.read()
+    a.close()
+    receiver.close()
+
+
+def test_a_sender_queues_while_its_peer_is_unreachable_then_delivers(tmp_path) -> None:
+    path = str(tmp_path / "s")
+    sender = UnixSender(f"unix://{path}", TOKEN, lambda: None)
+    assert not sender.connected
+    sender.send_multipart([b"early"])
+    listener = listen(path)
+    assert sender.connect()
+    conn, _ = listener.accept()
+    conn.setblocking(False)
+    receiver = UnixReceiver(conn, TOKEN, 1 << 20)
+    assert [bytes(m[0]) for m in _read_all(receiver, 1)] == [b"early"]
+    for s in (sender, receiver, listener):
+        s.close()
+
+
+# -- through the I/O loop --------------------------------------------------------------
+def _pair(**kw) -> tuple[IOLoop, IOLoop, list]:
+    key = new_key()
+    got: list = []
+    a = IOLoop(key, 0, lambda env: None, name="nbrpc-io-test-a", **kw)
+    b = IOLoop(key, 1, got.append, name="nbrpc-io-test-b", **kw)
+    for loop in (a, b):
+        loop.bind()
+        loop.start()
+    a.set_address(1, b.address, b.local_address)
+    return a, b, got
+
+
+def test_loop_delivers_tensors_sized_buffers_and_counts_too_large() -> None:
+    a, b, got = _pair(max_message_size=1 << 20)
+    try:
+        big = os.urandom(600_000)
+        a.send(1, 0, 1, b"p", [big])
+        a.send(1, 0, 2, b"p", [bytes(2 << 20)])  # above b's maximum: skipped unread
+        a.send(1, 0, 3, b"after")
+        assert poll_for(lambda: len(got) == 2, timeout=5), got
+        assert bytes(got[0].buffers[0]) == big and got[1].msg_id == 3
+        assert b.dropped["too large"] == 1
+        assert isinstance(a._dealers[1].sock, UnixSender)
+    finally:
+        a.stop()
+        b.stop()
+
+
+def test_loop_refuses_a_connection_that_never_authenticates(monkeypatch) -> None:
+    from nbrpc.transport import unix
+    monkeypatch.setattr(unix, "HELLO_TIMEOUT", 0.2)
+    a, b, got = _pair()
+    try:
+        with socket.socket(socket.AF_UNIX) as s:
+            s.connect(unix.path_of(local.local_endpoint(b.local_address)))
+            assert poll_for(lambda: b.dropped["refused connection"] == 1, timeout=5)
+            s.settimeout(2)
+            assert s.recv(1) == b""  # closed by b
+        a.send(1, 0, 1, b"still fine")
+        assert poll_for(lambda: got, timeout=5)
+    finally:
+        a.stop()
+        b.stop()
+
+
+def test_loop_marks_the_link_down_when_the_peer_goes_and_reconnects() -> None:
+    a, b, got = _pair()
+    try:
+        a.send(1, 0, 1, b"one")
+        assert poll_for(lambda: got, timeout=5)
+        assert poll_for(lambda: a.link_down_since(1) is None, timeout=5)
+        path = path_of(local.local_endpoint(b.local_address))
+        b.stop()  # its connections close: a sees the hang-up at once
+        assert poll_for(lambda: a.link_down_since(1) is not None, timeout=5)
+        a.send(1, 0, 2, b"two")  # waits in a's queue meanwhile
+        os.makedirs(os.path.dirname(path), mode=0o700)
+        listener = listen(path)  # someone listens there again: a reconnects
+        try:
+            listener.settimeout(5)
+            conn, _ = listener.accept()
+            conn.setblocking(False)
+            receiver = UnixReceiver(conn, connect_token(a._key), 1 << 20)
+            (frames,) = _read_all(receiver, 1)
+            assert bytes(unpack(a._key, frames).payload) == b"two"
+            assert poll_for(lambda: a.link_down_since(1) is None, timeout=5)
+            receiver.close()
+        finally:
+            listener.close()
+            local.remove_dir(os.path.dirname(path))
+    finally:
+        a.stop()
+        b.stop()
+
+
+def test_connect_token_is_what_the_handshake_carries() -> None:
+    key = new_key()
+    a, b = socket.socketpair(socket.AF_UNIX)
+    b.setblocking(False)
+    receiver = UnixReceiver(b, connect_token(key), 1 << 20)
+    a.sendall(MAGIC + connect_token(key) + _wire(pack(key, 1, 0, 7, b"x")))
+    messages, _ = receiver.read()
+    assert len(messages) == 1 and receiver.authenticated
+    a.close()
+    receiver.close()
