@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import _thread
 import gc
+import logging
 import socket
 import struct
-import logging
 import threading
 import time
 

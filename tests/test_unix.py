@@ -16,8 +16,8 @@ import pytest
 from conftest import poll_for
 
 from nbrpc.transport import IOLoop, local, new_key, pack
-from nbrpc.transport.frames import unpack
 from nbrpc.transport.auth import connect_token
+from nbrpc.transport.frames import unpack
 from nbrpc.transport.unix import MAGIC, Refused, UnixReceiver, UnixSender, listen, path_of
 
 TOKEN = b"t" * 64
