@@ -11,14 +11,14 @@ nbrpc's own functions in this script (the library is not changed):
 stage  from → to                                  what it is
 =====  =========================================  ================================
 1      rpc_sync called → IOLoop.send entered      caller: checks, pickling, bookkeeping
-2      → IOLoop.send returned                     caller: signing, zmq send
-3      → callee's I/O thread dispatches it        zmq (both I/O threads), the
-                                                  kernel, recv, MAC check, unpack
+2      → IOLoop.send returned                     caller: signing, send
+3      → callee's I/O thread dispatches it        the kernel (over TCP also zmq's
+                                                  I/O threads), recv, MAC check, unpack
 4      → a pool thread starts serving it          callee: hand-off to the pool
 5      → the handler starts                       callee: unpickling
 6      → the handler returns                      the function itself
 7      → IOLoop.send entered (the answer)         callee: pickling the answer
-8      → IOLoop.send returned                     callee: signing, zmq send
+8      → IOLoop.send returned                     callee: signing, send
 9      → caller's I/O thread dispatches it        as 3, the other way
 10     → the future is completed                  caller: unpickling, matching
 11     → rpc_sync returns                         caller: waking the waiting thread
@@ -49,13 +49,13 @@ import torch.multiprocessing as mp
 
 STAGES = [
     "caller: checks, pickling, bookkeeping",
-    "caller: signing + zmq send",
+    "caller: signing + send",
     "transport to the callee's I/O thread",
     "callee: I/O thread → pool thread",
     "callee: unpickling",
     "the handler (operator.pos)",
     "callee: pickling the answer",
-    "callee: signing + zmq send",
+    "callee: signing + send",
     "transport back to the caller's I/O thread",
     "caller: unpickling, completing the future",
     "caller: waking the waiting thread",

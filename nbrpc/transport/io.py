@@ -66,7 +66,7 @@ import threading
 import time
 from collections import Counter, deque
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import zmq
 from zmq.utils.monitor import recv_monitor_message
@@ -710,13 +710,25 @@ class IOLoop:
                 log.exception("nbrpc timer %r failed", fn)
 
 
+class Link(Protocol):
+    """What the loop needs of a peer's outgoing connection; a zmq DEALER
+    (``tcp://``) and :class:`~.unix.UnixSender` (``unix://``) both have it.
+    ``send_multipart`` never blocks; ``close`` lets queued frames drain for
+    at most ``linger`` ms."""
+
+    closed: bool
+
+    def send_multipart(self, frames: list, copy: bool = False) -> Any: ...
+
+    def close(self, linger: int | None = None) -> None: ...
+
+
 class _Dealer:
     """A peer's outgoing socket, its lock and the frames waiting for the lock."""
 
     __slots__ = ("sock", "monitor", "lock", "queue", "sent_msgs", "sent_bytes")
 
-    def __init__(self, sock: zmq.Socket | unix.UnixSender,
-                 monitor: zmq.Socket | None = None) -> None:
+    def __init__(self, sock: Link, monitor: zmq.Socket | None = None) -> None:
         self.sock = sock
         self.monitor = monitor
         self.lock = threading.Lock()

@@ -217,12 +217,12 @@ class UnixSender:
             self.sock = None
         self.connected = False
 
-    def close(self, linger: int = 0) -> None:
+    def close(self, linger: int | None = 0) -> None:
         """Close, first writing what waits for up to ``linger`` ms."""
         if self.closed:
             return
         self.closed = True
-        deadline = time.monotonic() + linger / 1000
+        deadline = time.monotonic() + (linger or 0) / 1000
         while self._queue and self.connected and time.monotonic() < deadline:
             self._write()
             if self._queue and self.sock is not None:
