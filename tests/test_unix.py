@@ -210,3 +210,24 @@ def test_connect_token_is_what_the_handshake_carries() -> None:
     assert len(messages) == 1 and receiver.authenticated
     a.close()
     receiver.close()
+
+
+def test_frames_left_while_the_io_thread_held_the_lock_are_sent() -> None:
+    # A sender that finds its peer's lock taken leaves its frames for the holder;
+    # when the holder is the I/O thread (writing what waited for the socket), it
+    # must send them too (they were stranded: RPCs timed out under load).
+    a, b, got = _pair()
+    try:
+        a.send(1, 0, 1, b"first")
+        assert poll_for(lambda: got, timeout=5)
+        dealer = a._dealers[1]
+        with dealer.lock:  # as the I/O thread holds it while flushing
+            a.send(1, 0, 2, b"left behind")
+        assert dealer.queue and not poll_for(lambda: len(got) == 2, timeout=0.2)
+        fd = dealer.sock.fileno()
+        a.call_soon(a._unix._on_sender_event, fd, 2)  # the socket became writable
+        assert poll_for(lambda: len(got) == 2, timeout=5)
+        assert bytes(got[1].payload) == b"left behind" and not dealer.queue
+    finally:
+        a.stop()
+        b.stop()

@@ -212,7 +212,7 @@ class IOLoop:
             self._unix = unix.UnixHub(
                 where, self._token, self.max_message_size + MAX_HEADER + SIG_LEN,
                 deliver=self._deliver, note_drop=self.note_drop, call_later=self.call_later,
-                links=self._links, name=self._name)
+                drain=self._flush, links=self._links, name=self._name)
         except OSError as e:
             log.debug("%s: no Unix domain socket (%s); peers on this host use TCP",
                       self._name, e)

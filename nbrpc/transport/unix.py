@@ -358,10 +358,14 @@ class UnixHub:
 
     def __init__(self, path: str, token: bytes, max_size: int, *,
                  deliver: Callable[[list], None], note_drop: Callable[[str, str], None],
-                 call_later: Callable, links: dict, name: str) -> None:
+                 call_later: Callable, drain: Callable, links: dict, name: str) -> None:
         self.listener = listen(path)
         self._token, self._max = token, max_size
         self._deliver, self._note_drop, self._call_later = deliver, note_drop, call_later
+        # Senders hand frames over by combining on the dealer's lock: one that
+        # finds the lock taken leaves its frames for the holder. Whenever this
+        # hub held the lock, it sends what was left meanwhile (``drain``).
+        self._drain = drain
         self._links, self._name = links, name
         # (keyed by file descriptor: that is what zmq's poller reports for them)
         self.handlers: dict[int, Callable] = {self.listener.fileno(): self._on_accept}
@@ -443,6 +447,7 @@ class UnixHub:
         if sender.sock is None:
             with dealer.lock:
                 connected = sender.connect()
+            self._drain(dealer)
             if not connected:
                 self._links.setdefault(peer, time.monotonic())
                 self._call_later(retry, self.watch, peer, dealer, min(1.0, retry * 2))
@@ -477,6 +482,7 @@ class UnixHub:
                 self._unwatch_fd(fd)
                 with dealer.lock:
                     sender.hang_up()
+                self._drain(dealer)
                 if not sender.closed:
                     log.info("%s: the connection to peer %d closed", self._name, peer)
                     self._links[peer] = time.monotonic()
@@ -485,6 +491,8 @@ class UnixHub:
         if events & 2:
             with dealer.lock:
                 done = sender.flush()
+            self._drain(dealer)
+            done = done and not sender.pending
             if done and sender.fileno() == fd:
                 self._poller.register(fd, 1)
 
