@@ -7,10 +7,12 @@ bounds, link state and reconnection.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import struct
 import time
+from collections.abc import Iterator
 
 import pytest
 from conftest import poll_for
@@ -34,7 +36,7 @@ def link(tmp_path):
     path = str(tmp_path / "s")
     listener = listen(path)
     wants: list = []
-    sender = UnixSender(f"unix://{path}", TOKEN, lambda: wants.append(1))
+    sender = UnixSender(f"unix://{path}", TOKEN, lambda sender: wants.append(sender))
     conn, _ = listener.accept()
     conn.setblocking(False)
     receiver = UnixReceiver(conn, TOKEN, max_size=1 << 20)
@@ -112,7 +114,7 @@ def test_a_stream_out_of_step_is_refused() -> None:
 
 def test_a_sender_queues_while_its_peer_is_unreachable_then_delivers(tmp_path) -> None:
     path = str(tmp_path / "s")
-    sender = UnixSender(f"unix://{path}", TOKEN, lambda: None)
+    sender = UnixSender(f"unix://{path}", TOKEN, lambda sender: None)
     assert not sender.connected
     sender.send_multipart([b"early"])
     listener = listen(path)
@@ -126,21 +128,26 @@ def test_a_sender_queues_while_its_peer_is_unreachable_then_delivers(tmp_path) -
 
 
 # -- through the I/O loop --------------------------------------------------------------
-def _pair(**kw) -> tuple[IOLoop, IOLoop, list]:
+@contextlib.contextmanager
+def _pair(**kw) -> Iterator[tuple[IOLoop, IOLoop, list]]:
+    """Two started loops; ``a`` knows where ``b`` listens. Both stop at the end."""
     key = new_key()
     got: list = []
     a = IOLoop(key, 0, lambda env: None, name="nbrpc-io-test-a", **kw)
     b = IOLoop(key, 1, got.append, name="nbrpc-io-test-b", **kw)
-    for loop in (a, b):
-        loop.bind()
-        loop.start()
-    a.set_address(1, b.address, b.local_address)
-    return a, b, got
+    try:
+        for loop in (a, b):
+            loop.bind()
+            loop.start()
+        a.set_address(1, b.address, b.local_address)
+        yield a, b, got
+    finally:
+        a.stop()
+        b.stop()
 
 
 def test_loop_delivers_tensors_sized_buffers_and_counts_too_large() -> None:
-    a, b, got = _pair(max_message_size=1 << 20)
-    try:
+    with _pair(max_message_size=1 << 20) as (a, b, got):
         big = os.urandom(600_000)
         a.send(1, 0, 1, b"p", [big])
         a.send(1, 0, 2, b"p", [bytes(2 << 20)])  # above b's maximum: skipped unread
@@ -149,16 +156,12 @@ def test_loop_delivers_tensors_sized_buffers_and_counts_too_large() -> None:
         assert bytes(got[0].buffers[0]) == big and got[1].msg_id == 3
         assert b.dropped["too large"] == 1
         assert isinstance(a._dealers[1].sock, UnixSender)
-    finally:
-        a.stop()
-        b.stop()
 
 
 def test_loop_refuses_a_connection_that_never_authenticates(monkeypatch) -> None:
     from nbrpc.transport import unix
     monkeypatch.setattr(unix, "HELLO_TIMEOUT", 0.2)
-    a, b, got = _pair()
-    try:
+    with _pair() as (a, b, got):
         with socket.socket(socket.AF_UNIX) as s:
             s.connect(unix.path_of(local.local_endpoint(b.local_address)))
             assert poll_for(lambda: b.dropped["refused connection"] == 1, timeout=5)
@@ -166,14 +169,10 @@ def test_loop_refuses_a_connection_that_never_authenticates(monkeypatch) -> None
             assert s.recv(1) == b""  # closed by b
         a.send(1, 0, 1, b"still fine")
         assert poll_for(lambda: got, timeout=5)
-    finally:
-        a.stop()
-        b.stop()
 
 
 def test_loop_marks_the_link_down_when_the_peer_goes_and_reconnects() -> None:
-    a, b, got = _pair()
-    try:
+    with _pair() as (a, b, got):
         a.send(1, 0, 1, b"one")
         assert poll_for(lambda: got, timeout=5)
         assert poll_for(lambda: a.link_down_since(1) is None, timeout=5)
@@ -195,9 +194,6 @@ def test_loop_marks_the_link_down_when_the_peer_goes_and_reconnects() -> None:
         finally:
             listener.close()
             local.remove_dir(os.path.dirname(path))
-    finally:
-        a.stop()
-        b.stop()
 
 
 def test_connect_token_is_what_the_handshake_carries() -> None:
@@ -216,8 +212,7 @@ def test_frames_left_while_the_io_thread_held_the_lock_are_sent() -> None:
     # A sender that finds its peer's lock taken leaves its frames for the holder;
     # when the holder is the I/O thread (writing what waited for the socket), it
     # must send them too (they were stranded: RPCs timed out under load).
-    a, b, got = _pair()
-    try:
+    with _pair() as (a, b, got):
         a.send(1, 0, 1, b"first")
         assert poll_for(lambda: got, timeout=5)
         dealer = a._dealers[1]
@@ -228,6 +223,3 @@ def test_frames_left_while_the_io_thread_held_the_lock_are_sent() -> None:
         a.call_soon(a._unix._on_sender_event, fd, 2)  # the socket became writable
         assert poll_for(lambda: len(got) == 2, timeout=5)
         assert bytes(got[1].payload) == b"left behind" and not dealer.queue
-    finally:
-        a.stop()
-        b.stop()

@@ -442,18 +442,12 @@ class IOLoop:
 
     def _new_unix_dealer(self, peer: int, endpoint: str) -> _Dealer:
         """A plain Unix socket to ``peer`` (see :mod:`.unix`)."""
-        box: list = []
         sender = unix.UnixSender(endpoint, self._token,
-                                 lambda: self.call_soon(self._want_write, peer, box[0]))
+                                 lambda s: self.call_soon(self._unix.want_write, s))
         dealer = self._dealers[peer] = _Dealer(sender)
-        box.append(dealer)
         self._links[peer] = None if sender.connected else time.monotonic()
         self.call_soon(self._watch, peer, dealer)
         return dealer
-
-    def _want_write(self, peer: int, dealer: _Dealer) -> None:
-        if self._unix is not None:
-            self._unix.want_write(peer, dealer)
 
     def _watch(self, peer: int, dealer: _Dealer) -> None:
         """Poll ``dealer``'s monitor (on the I/O thread, which owns the poller)."""

@@ -48,6 +48,7 @@ import struct
 import time
 from collections import deque
 from collections.abc import Callable
+from typing import Any
 
 log = logging.getLogger(__name__)
 
@@ -60,13 +61,9 @@ _IOV_MAX = 1000  # buffers per sendmsg call (the kernel's limit is 1024)
 _CHUNK = 256 << 10  # bytes read per recv for small messages
 _READ_BUDGET = 8 << 20  # bytes read from one connection per wake-up
 _COUNT = struct.Struct("<I")
-_LEN = struct.Struct("<Q")
+_LEN_SIZE = 8  # each frame's length ("<Q") follows the count
 _PEERCRED = struct.Struct("3i")
 _GONE = (errno.ENOENT, errno.ECONNREFUSED, errno.EAGAIN)
-
-
-class TooLarge(Exception):
-    """A message declared more bytes than the receiver accepts (it is skipped)."""
 
 
 class Refused(Exception):
@@ -112,13 +109,14 @@ def accept(listener: socket.socket) -> socket.socket | None:
 class UnixSender:
     """The outgoing connection to one peer (written under the caller's lock).
 
-    ``want_write()`` is called (from the writing thread) when bytes are left
-    waiting for the socket to become writable; the I/O thread then calls
+    ``want_write(sender)`` is called (from the writing thread) when bytes are
+    left waiting for the socket to become writable; the I/O thread then calls
     :meth:`flush`. While the peer cannot be reached, messages wait (at most
-    ``MAX_QUEUED``) and :meth:`reconnect` tries again.
+    ``MAX_QUEUED``) and the I/O thread calls :meth:`connect` again.
     """
 
-    def __init__(self, endpoint: str, token: bytes, want_write: Callable[[], None]) -> None:
+    def __init__(self, endpoint: str, token: bytes,
+                 want_write: Callable[[UnixSender], None]) -> None:
         self.path = path_of(endpoint)
         self._hello = MAGIC + token
         self._want_write = want_write
@@ -138,7 +136,7 @@ class UnixSender:
 
     def connect(self) -> bool:
         """(Re)connect; True when connected. The handshake goes first."""
-        self._drop_sock()
+        self.drop_sock()
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         sock.setblocking(False)
         try:
@@ -163,7 +161,8 @@ class UnixSender:
         if len(self._queue) >= MAX_QUEUED:
             raise BufferError(f"{MAX_QUEUED} messages wait for {self.path}")
         views = [memoryview(f).cast("B") for f in frames]
-        head = _COUNT.pack(len(views)) + b"".join(_LEN.pack(v.nbytes) for v in views)
+        n = len(views)
+        head = struct.pack(f"<I{n}Q", n, *[v.nbytes for v in views])
         self._queue.append([memoryview(head), *views])
         if self.connected and len(self._queue) == 1:
             self._write()
@@ -203,15 +202,11 @@ class UnixSender:
                 queue.popleft()
                 self._started = False
             elif full:  # the kernel's buffer is full: the I/O thread goes on
-                self._want_write()
+                self._want_write(self)
                 return
 
-    def hang_up(self) -> None:
-        """The peer closed the connection (seen by the I/O thread)."""
-        self.connected = False
-        self._drop_sock()
-
-    def _drop_sock(self) -> None:
+    def drop_sock(self) -> None:
+        """Close the connection (the peer hung up, or we close); what waits stays."""
         if self.sock is not None:
             self.sock.close()
             self.sock = None
@@ -231,7 +226,7 @@ class UnixSender:
                 except (OSError, ValueError):
                     break
         self._queue.clear()
-        self._drop_sock()
+        self.drop_sock()
 
 
 class UnixReceiver:
@@ -255,9 +250,6 @@ class UnixReceiver:
         self._big_lengths: list[int] = []
         self._skip = 0  # bytes of a too-large message still to discard
         self.skipped: list[str] = []
-
-    def fileno(self) -> int:
-        return self.sock.fileno()
 
     def read(self) -> tuple[list[list], bool]:
         """(the messages now complete, whether the peer closed the connection).
@@ -311,11 +303,10 @@ class UnixReceiver:
             n = _COUNT.unpack_from(buf, pos)[0]
             if not 1 <= n <= MAX_FRAMES:
                 raise Refused(f"a message of {n} frames")  # out of step: close
-            head_end = pos + _COUNT.size + n * _LEN.size
+            head_end = pos + _COUNT.size + n * _LEN_SIZE
             if len(buf) < head_end:
                 break
-            lengths = [_LEN.unpack_from(buf, pos + _COUNT.size + i * _LEN.size)[0]
-                       for i in range(n)]
+            lengths = struct.unpack_from(f"<{n}Q", buf, pos + _COUNT.size)
             total = sum(lengths)
             if total > self._max:  # skipped unread; the stream stays in step
                 self.skipped.append(f"{total} bytes declared, at most {self._max} accepted")
@@ -340,6 +331,18 @@ class UnixReceiver:
         self.sock.close()
 
 
+def _hung_up(sock: socket.socket) -> bool:
+    """Did the peer close ``sock``? (Its receiver never writes: any byte, the
+    end of the stream or an error all mean the connection is done.)"""
+    try:
+        sock.recv(1, socket.MSG_DONTWAIT)
+    except (BlockingIOError, InterruptedError):
+        return False
+    except OSError:
+        pass
+    return True
+
+
 def _split(data: bytearray, lengths: list[int]) -> list:
     """Frames as views of one private buffer (writable: torch builds on them)."""
     view, frames, pos = memoryview(data), [], 0
@@ -362,10 +365,7 @@ class UnixHub:
         self.listener = listen(path)
         self._token, self._max = token, max_size
         self._deliver, self._note_drop, self._call_later = deliver, note_drop, call_later
-        # Senders hand frames over by combining on the dealer's lock: one that
-        # finds the lock taken leaves its frames for the holder. Whenever this
-        # hub held the lock, it sends what was left meanwhile (``drain``).
-        self._drain = drain
+        self._drain = drain  # sends what a dealer's senders left (see _locked)
         self._links, self._name = links, name
         # (keyed by file descriptor: that is what zmq's poller reports for them)
         self.handlers: dict[int, Callable] = {self.listener.fileno(): self._on_accept}
@@ -419,8 +419,10 @@ class UnixHub:
             messages, closed = receiver.read()
         except Refused as e:
             self._drop_receiver(receiver)
-            self._refuse(str(e)) if not receiver.authenticated else self._note_drop(
-                "framing", str(e))
+            if receiver.authenticated:  # a key holder's stream out of step
+                self._note_drop("framing", str(e))
+            else:
+                self._refuse(str(e))
             return
         for why in receiver.skipped:
             self._note_drop("too large", why)
@@ -445,10 +447,7 @@ class UnixHub:
         if sender.closed or self._poller is None:
             return
         if sender.sock is None:
-            with dealer.lock:
-                connected = sender.connect()
-            self._drain(dealer)
-            if not connected:
+            if not self._locked(dealer, sender.connect):
                 self._links.setdefault(peer, time.monotonic())
                 self._call_later(retry, self.watch, peer, dealer, min(1.0, retry * 2))
                 return
@@ -459,42 +458,34 @@ class UnixHub:
             self._links[peer] = None
         self._poller.register(fd, 1 | (2 if sender.pending else 0))
 
-    def want_write(self, peer: int, dealer) -> None:
-        sender: UnixSender = dealer.sock
+    def want_write(self, sender: UnixSender) -> None:
+        """``sender`` has bytes waiting for its socket: poll it for writability."""
         fd = sender.fileno()
-        if fd in self._senders and self._senders[fd][1] is dealer and not sender.closed:
+        if fd in self._senders and self._senders[fd][1].sock is sender and not sender.closed:
             self._poller.register(fd, 3)
+
+    def _locked(self, dealer, fn: Callable[[], Any]) -> Any:
+        """``fn()`` under ``dealer``'s lock. Senders combine on that lock: one
+        that finds it taken leaves its frames for the holder, so this sends
+        what was left meanwhile (``drain``) once it lets go."""
+        with dealer.lock:
+            result = fn()
+        self._drain(dealer)
+        return result
 
     def _on_sender_event(self, fd: int, events: int) -> None:
         peer, dealer = self._senders[fd]
         sender: UnixSender = dealer.sock
-        sock = sender.sock
-        if events & ~2 or sock is None or sock.fileno() != fd:  # readable or error: closed
-            hung_up = True  # (a receiver never writes: any byte means trouble too)
-            try:
-                if sock is not None and sock.fileno() == fd:
-                    sock.recv(1, socket.MSG_DONTWAIT)
-            except (BlockingIOError, InterruptedError):
-                hung_up = False
-            except OSError:
-                pass
-            if hung_up:
-                self._unwatch_fd(fd)
-                with dealer.lock:
-                    sender.hang_up()
-                self._drain(dealer)
-                if not sender.closed:
-                    log.info("%s: the connection to peer %d closed", self._name, peer)
-                    self._links[peer] = time.monotonic()
-                    self._call_later(0.05, self.watch, peer, dealer)
-                return
-        if events & 2:
-            with dealer.lock:
-                done = sender.flush()
-            self._drain(dealer)
-            done = done and not sender.pending
-            if done and sender.fileno() == fd:
-                self._poller.register(fd, 1)
+        if events & ~2 and _hung_up(sender.sock):
+            self._unwatch_fd(fd)
+            self._locked(dealer, sender.drop_sock)
+            if not sender.closed:
+                log.info("%s: the connection to peer %d closed", self._name, peer)
+                self._links[peer] = time.monotonic()
+                self._call_later(0.05, self.watch, peer, dealer)
+            return
+        if events & 2 and self._locked(dealer, sender.flush) and not sender.pending:
+            self._poller.register(fd, 1)  # all written: only hang-ups matter again
 
     def _unwatch_fd(self, fd: int) -> None:
         if self._senders.pop(fd, None) is not None:
