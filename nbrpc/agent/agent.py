@@ -118,6 +118,8 @@ class Agent(Caller, Callee, Control, Shutdown):
                          max_age=opts.max_message_age, encrypt=opts.encrypt,
                          ipc=opts.local_ipc)
         self.address = self.io.bind(opts.host, opts.port)
+        if self.io.channels is not None:  # (threads that serve a caller's own channel)
+            self.io.channels.on_thread_start = self._adopt_thread
         self._member = Member(name, rank, self.address, self.io.local_address)
         self.pool = WorkerPool(opts.num_worker_threads, f"nbrpc-worker[{name}]",
                                self._adopt_thread, self.io.call_later)

@@ -21,6 +21,7 @@ import torch
 from ..errors import SerializationError
 from ..serialize import dumps, loads
 from ..transport import Envelope
+from ..transport.channel import ChannelClosed
 from .asyncfn import check_future, is_async
 from .futures import on_done, outcome
 from .messages import CONTROL, INLINE, REQUEST, RESPONSE, Call, Ok
@@ -47,9 +48,15 @@ class Callee:
                 self.io.note_drop("too early", f"request from rank {env.sender} before the "
                                   f"member table ({MAX_EARLY} already held)")
         elif kind == REQUEST:
-            self.pool.submit(self._serve, env)
+            if env.channel is not None and threading.get_ident() != self.io.thread_ident:
+                self._serve(env)  # on the channel's own thread (see transport.channel)
+            else:
+                self.pool.submit(self._serve, env)
         elif kind == INLINE:
-            self._serve(env)
+            if env.channel is not None and threading.get_ident() != self.io.thread_ident:
+                self.io.call_soon(self._serve, env)  # protocol state: the I/O thread's
+            else:
+                self._serve(env)
         elif kind == CONTROL:
             self._on_control(env)
         else:
@@ -149,9 +156,15 @@ class Callee:
         try:
             fault = self.faults.take(op, True) if self.faults.rules else None
             if fault is None:
-                nbytes = self.io.send(peer, RESPONSE, env.msg_id, payload, buffers)
+                nbytes = self.io.send(peer, RESPONSE, env.msg_id, payload, buffers,
+                                      via=env.channel)
             else:
                 nbytes = self._inject(fault, peer, RESPONSE, env.msg_id, payload, buffers)
+        except ChannelClosed as e:  # the caller closed it: its process is gone
+            wire.unsent()
+            log.debug("nbrpc agent %r: the answer to %s from %r was not sent: %s",
+                      self.name, op, self.peer_name(peer), e)
+            return
         except BaseException:
             wire.unsent()
             raise

@@ -14,17 +14,21 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 from ..errors import RpcTimeoutError, SerializationError, ShutdownError
 from ..serialize import dumps, loads
 from ..transport import Envelope
+from ..transport.channel import Channel, ChannelClosed
 from .futures import RpcFuture
 from .messages import INLINE, REQUEST, RESPONSE, Call, Ok
 from .remote_errors import rebuild_error
 from .wire import _MISS, Pending, Wire, _Tag, _what, call_args, check_timeout
 
 log = logging.getLogger(__name__)
+
+_SLICE = 0.05  # seconds a thread reading its channel waits before looking again
 
 
 class Caller:
@@ -40,16 +44,29 @@ class Caller:
         args, kwargs = call_args(args, kwargs)
         return self.request(to, Call(fn, args, kwargs), timeout, keep=keep)
 
+    def rpc_sync(self, to: Any, fn: Callable, args: tuple | None = None,
+                 kwargs: dict | None = None, timeout: float = -1.0, keep: Any = None) -> Any:
+        """Run ``fn(*args, **kwargs)`` on ``to`` and wait for the result, over
+        this thread's own channel to ``to`` where it has one (see
+        :mod:`nbrpc.transport.channel`)."""
+        if not callable(fn):
+            raise TypeError(f"func must be callable, got {type(fn).__name__}")
+        args, kwargs = call_args(args, kwargs)
+        return self.request(to, Call(fn, args, kwargs), timeout, keep=keep, sync=True).wait()
+
     def request(self, to: Any, msg: Any, timeout: float = -1.0, inline: bool = False,
                 keep: Any = None,
                 then: Callable[[Any, BaseException | None], None] | None = None,
-                tagged: bool = False) -> RpcFuture:
+                tagged: bool = False, sync: bool = False) -> RpcFuture:
         """Send a typed request; the future completes with the handler's answer.
         ``inline``: the handler runs on the receiver's I/O thread (protocol
         bookkeeping, or a handler that only looks up a future: it must never
         block); it carries the propagated value (the autograd context) only if
         ``tagged``, as other requests always do. ``keep`` is held until the
-        answer; ``then(value, error)`` runs when it arrives (or the call fails)."""
+        answer; ``then(value, error)`` runs when it arrives (or the call fails).
+        ``sync``: this thread waits for the answer next (``.wait()``, nothing
+        in between), so it may go over the thread's own channel and the
+        thread reads the answer itself."""
         if self.state not in ("ready", "stopping"):
             raise ShutdownError(f"agent {self.name!r} is {self.state}; it takes no new calls")
         peer = self.resolve(to).rank
@@ -60,11 +77,11 @@ class Caller:
             self.propagator.sent(tag, peer)
         p = Pending(RpcFuture(self._io_ident), peer, msg.op, time.perf_counter(), None,
                      keep, then)
-        self._send_request(p, msg, tag, timeout, INLINE if inline else REQUEST)
+        self._send_request(p, msg, tag, timeout, INLINE if inline else REQUEST, sync=sync)
         return p.future
 
     def _send_request(self, p: Pending, msg: Any, tag: Any, timeout: float, kind: int,
-                      may_resend: bool = True) -> None:
+                      may_resend: bool = True, sync: bool = False) -> None:
         peer = p.peer
         wire = Wire(self, peer, tag, refs_ok=True)
         payload, buffers = dumps(msg if tag is None else (_Tag(tag), msg), wire)
@@ -79,7 +96,10 @@ class Caller:
             self._sent[peer] += 1
         try:
             fault = self.faults.take(msg.op, False) if self.faults.rules else None
-            if fault is None:
+            chan = self.io.channel(peer) if sync and fault is None else None
+            if chan is not None:
+                nbytes = self._send_on(chan, p, timeout, kind, mid, payload, buffers)
+            elif fault is None:
                 nbytes = self.io.send(peer, kind, mid, payload, buffers)
             else:
                 nbytes = self._inject(fault, peer, kind, mid, payload, buffers)
@@ -93,6 +113,47 @@ class Caller:
             raise
         self.events.add("send", msg.op, self.peer_name(peer), mid, nbytes, None, _what(msg))
 
+    def _send_on(self, chan: Channel, p: Pending, timeout: float, kind: int, mid: int,
+                 payload: bytes, buffers: list) -> int:
+        """Write the request on this thread's channel; the future's ``wait()``
+        then reads the answer here (:meth:`_read_channel`). A channel that
+        fails is dropped and the request goes the usual way (a message cut
+        short on it is never read)."""
+        try:
+            nbytes = self.io.send(p.peer, kind, mid, payload, buffers, via=chan)
+        except ChannelClosed:
+            self.io.channels.forget(chan)
+            return self.io.send(p.peer, kind, mid, payload, buffers)
+        deadline = time.monotonic() + timeout if timeout > 0 else float("inf")
+        p.future.pump = partial(self._read_channel, chan, deadline)
+        return nbytes
+
+    def _read_channel(self, chan: Channel, deadline: float, fut: RpcFuture) -> None:
+        """Read this thread's channel until ``fut`` is done (answers arrive
+        here, to be checked and completed on this thread: no other thread
+        wakes). Leaving early (the deadline: the timer then fails the call;
+        the peer closed it; Ctrl-C) hands the channel to the I/O thread, which
+        reads what still comes, and ``wait()`` goes on the usual way."""
+        if chan.owner != threading.get_ident():
+            return
+        deliver = self.io.deliver
+        try:
+            while not fut.done():
+                left = deadline - time.monotonic()
+                if left <= 0 or self.state == "stopped":
+                    break
+                messages, closed = chan.read(min(_SLICE, left))
+                for frames in messages:
+                    deliver(frames)
+                if closed:
+                    break
+        except BaseException:
+            self.io.channels.forget(chan, adopt=True)
+            raise
+        if not fut.done():
+            fut.pump = None
+            self.io.channels.forget(chan, adopt=not chan.closed)
+
     def _resend(self, p: Pending) -> None:
         """The callee missed code named by hash (it restarted, or evicted it):
         send the request again, once, with every definition in full."""
@@ -102,8 +163,9 @@ class Caller:
             timeout = max(timeout - (time.perf_counter() - p.started), 1e-3)
         log.info("nbrpc agent %r: %s to %r resent with its code in full", self.name, p.op,
                  self.peer_name(p.peer))
-        try:
-            self._send_request(p, msg, tag, timeout, kind, may_resend=False)
+        try:  # (on the thread that reads its channel: again over it)
+            self._send_request(p, msg, tag, timeout, kind, may_resend=False,
+                               sync=p.future.pump is not None)
         except BaseException as e:
             self._settle(p, error=e)
 
@@ -182,7 +244,10 @@ class Caller:
         if reply.unread and reply.type_name == _MISS and p.resend:
             self.codes.forget(p.peer)
             self.codes.resent += 1
-            self.pool.submit(self._resend, p)
+            if threading.get_ident() == self.io.thread_ident:
+                self.pool.submit(self._resend, p)
+            else:  # the thread that reads its own channel
+                self._resend(p)
             return
         self.remote_errors += 1
         self._settle(p, error=rebuild_error(reply))

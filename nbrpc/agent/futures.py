@@ -40,6 +40,8 @@ class RpcFuture(torch.futures.Future):
         torch._C.Future.__init__(self, [])  # CPU only: skip the device-list conversion
         self._io_ident = io_ident
         self.has_callbacks = False  # then the agent completes it on a pool thread
+        # pump(self): reads the answer on the waiting thread (its own channel)
+        self.pump: Callable[[RpcFuture], None] | None = None
 
     def then(self, callback: Callable[[torch.futures.Future], Any]) -> torch.futures.Future:
         self.has_callbacks = True
@@ -51,6 +53,10 @@ class RpcFuture(torch.futures.Future):
 
     def wait(self) -> Any:
         if not self.done():
+            if self.pump is not None:
+                self.pump(self)
+                if self.done():
+                    return self.value()
             self._block()
         return self.value()
 

@@ -199,7 +199,7 @@ def rpc_sync(to: Any, func: Callable, args: tuple | None = None,
     ValueError from a
     >>> shutdown()
     """
-    return current_agent("rpc_sync").rpc_async(to, func, args, kwargs, timeout).wait()
+    return current_agent("rpc_sync").rpc_sync(to, func, args, kwargs, timeout)
 
 
 def remote(to: Any, func: Callable, args: tuple | None = None,

@@ -198,7 +198,7 @@ class RRef(Generic[T]):
         # worker thread there; it still carries the autograd context.
         pending = self._state() == PENDING
         return agent.request(self._owner, Fetch(self._id, pending, timeout), timeout,
-                             keep=self, inline=True, tagged=True).wait()
+                             keep=self, inline=True, tagged=True, sync=True).wait()
 
     # -- proxies -----------------------------------------------------------------
     def rpc_sync(self, timeout: float = -1.0) -> Any:
@@ -323,9 +323,11 @@ class _Proxy:
                     rref._attrs.add(name)
                 return remote(agent, rref._owner, _call_method_on_owner, call_args, {},
                               timeout, keep=rref)
-            fut = agent.rpc_async(rref._owner, _call_method_on_owner, call_args,
-                                  timeout=timeout, keep=rref)
-            return fut.wait() if how == "rpc_sync" else fut
+            if how == "rpc_sync":
+                return agent.rpc_sync(rref._owner, _call_method_on_owner, call_args,
+                                      timeout=timeout, keep=rref)
+            return agent.rpc_async(rref._owner, _call_method_on_owner, call_args,
+                                   timeout=timeout, keep=rref)
 
         invoke.__name__ = name
         return invoke

@@ -58,6 +58,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 VERSION = 3
 SIG_LEN = 32
@@ -121,6 +122,7 @@ class Envelope:
     incarnation: int = 0
     seq: int = 0
     sent_at: float = 0.0
+    channel: Any = None  # the caller's own channel it came on (answer there), if any
 
 
 def new_key() -> bytes:

@@ -71,7 +71,7 @@ from typing import Any, Protocol
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from . import local, shm, unix
+from . import channel, local, shm, unix
 from .auth import connect_token, curve_keys, zap_answer  # (connect_token: re-exported)
 from .frames import (
     DEFAULT_MAX_MESSAGE,
@@ -130,6 +130,7 @@ class IOLoop:
         self.max_message_size = int(max_message_size)
         self._seq = Sequencer()
         self._guard = ReplayGuard(max_age)
+        self._guard_lock = threading.Lock()  # (channel threads deliver too)
         self._ctx = zmq.Context()
         self._router = self._ctx.socket(zmq.ROUTER)
         self._router.setsockopt(zmq.LINGER, 0)
@@ -157,6 +158,7 @@ class IOLoop:
         self._ipc = ipc and not encrypt  # (encrypt: every connection is CURVE)
         self._ipc_dir: str | None = None
         self._unix: unix.UnixHub | None = None
+        self.channels: channel.Channels | None = None  # callers' own (see .channel)
         self.local_address: str | None = None  # "HOST@unix://..." for peers on this host
         self._local: dict[int, str] = {}  # peer -> its unix:// endpoint, if on this host
         # Messages to a member whose address has not reached us yet (a peer that
@@ -209,10 +211,14 @@ class IOLoop:
         try:
             self._ipc_dir = local.make_dir()
             where = f"{self._ipc_dir}/s"
+            size = self.max_message_size + MAX_HEADER + SIG_LEN
+            self.channels = channel.Channels(
+                self._token, size, deliver=self.deliver, note_drop=self.note_drop,
+                adopt=lambda r: self.call_soon(self._unix.adopt, r), name=self._name)
             self._unix = unix.UnixHub(
-                where, self._token, self.max_message_size + MAX_HEADER + SIG_LEN,
-                deliver=self._deliver, note_drop=self.note_drop, call_later=self.call_later,
-                drain=self._flush, links=self._links, name=self._name)
+                where, self._token, size, deliver=self.deliver, note_drop=self.note_drop,
+                call_later=self.call_later, drain=self._flush, links=self._links,
+                name=self._name, serve_channel=self.channels.serve)
         except OSError as e:
             log.debug("%s: no Unix domain socket (%s); peers on this host use TCP",
                       self._name, e)
@@ -307,18 +313,23 @@ class IOLoop:
 
     @property
     def sent_msgs(self) -> int:
-        return self._sent_to_self[0] + sum(d.sent_msgs for d in list(self._dealers.values()))
+        return (self._sent_to_self[0] + sum(d.sent_msgs for d in list(self._dealers.values()))
+                + (self.channels.sent[0] if self.channels is not None else 0))
 
     @property
     def sent_bytes(self) -> int:
-        return self._sent_to_self[1] + sum(d.sent_bytes for d in list(self._dealers.values()))
+        return (self._sent_to_self[1] + sum(d.sent_bytes for d in list(self._dealers.values()))
+                + (self.channels.sent[1] if self.channels is not None else 0))
 
     # -- thread-safe hand-off ----------------------------------------------
     def send(self, peer: int, kind: int, msg_id: int, payload: bytes,
-             buffers: list = ()) -> int:
+             buffers: list = (), via: Any = None) -> int:
         """Sign and send one message to ``peer`` (safe from any thread; never
         blocks). Large buffers to a peer on this host go through shared memory.
-        Returns the bytes handed over."""
+        Returns the bytes handed over. ``via``: a channel to ``peer`` (see
+        :meth:`channel`; an answer goes on the one its request came on),
+        written before this returns; raises :class:`~.channel.ChannelClosed`
+        if that fails."""
         if buffers:
             if self._shm is not None and peer != self.local_id and self._is_local(peer):
                 buffers = [self._to_shm(b) for b in buffers]
@@ -330,9 +341,21 @@ class IOLoop:
                        else b for b in buffers]
         frames = pack(self._key, kind, self.local_id, msg_id, payload, buffers,
                       incarnation=self._seq.incarnation, seq=self._seq.next())
+        if via is not None:
+            return via.write(frames)
         nbytes = sum(memoryview(f).nbytes for f in frames)
         self._send_frames(peer, frames, nbytes)
         return nbytes
+
+    def channel(self, peer: int) -> channel.Channel | None:
+        """The calling thread's own channel to ``peer`` (made on first use;
+        see :mod:`.channel`), or None where there is none: ``peer`` is on
+        another host, channels were refused lately, or the loop stops."""
+        endpoint = self._local.get(peer)
+        if (self.channels is None or self._stopping or endpoint is None
+                or not endpoint.startswith("unix://")):
+            return None
+        return self.channels.get(peer, endpoint)
 
     def _to_shm(self, b: Any) -> Any:
         m = memoryview(b)
@@ -362,7 +385,7 @@ class IOLoop:
         if peer == self.local_id:  # to ourselves: no socket, but a real copy
             self._sent_to_self[0] += 1
             self._sent_to_self[1] += nbytes
-            self.call_soon(self._deliver, _copy_frames(frames))
+            self.call_soon(self.deliver, _copy_frames(frames))
             return
         dealer = self._dealers.get(peer) or self._open_dealer(peer, frames, nbytes)
         if dealer is None:  # held until the address is known, or dropped
@@ -559,6 +582,8 @@ class IOLoop:
             _close_monitor(dealer)
         self._monitors.clear()
         self._router.close(linger=0)
+        if self.channels is not None:
+            self.channels.close()
         if self._unix is not None:
             self._unix.close()
         if self._zap is not None:
@@ -655,15 +680,18 @@ class IOLoop:
             frames = []
             while getsockopt(RCVMORE):  # the head as bytes; buffers zero-copy
                 frames.append(router.recv(copy=not frames))
-            self._deliver(frames)
+            self.deliver(frames)
 
-    def _deliver(self, frames: list) -> None:
+    def deliver(self, frames: list, via: Any = None) -> None:
+        """Check and hand on one message (the I/O thread, or a channel's
+        thread with the channel it came on, ``via``)."""
         try:
             env = unpack(self._key, frames, self.max_message_size)
         except BadMessage as e:
             self.note_drop(e.reason, str(e))
             return
-        why = self._guard.check(env.incarnation, env.seq, env.sent_at, time.time())
+        with self._guard_lock:
+            why = self._guard.check(env.incarnation, env.seq, env.sent_at, time.time())
         if why is not None:
             self.note_drop(why, f"message {env.seq} of rank {env.sender}, sent "
                                 f"{time.time() - env.sent_at:.0f} s ago"
@@ -676,8 +704,11 @@ class IOLoop:
             except (OSError, ValueError) as e:
                 self.note_drop("unreadable segment", f"from rank {env.sender}: {e}")
                 return
-        self.recv_msgs += 1
-        self.recv_bytes += env.payload.nbytes + sum(memoryview(b).nbytes for b in env.buffers)
+        nbytes = env.payload.nbytes + sum(memoryview(b).nbytes for b in env.buffers)
+        with self._guard_lock:
+            self.recv_msgs += 1
+            self.recv_bytes += nbytes
+        env.channel = via
         try:
             self._on_message(env)
         except Exception:

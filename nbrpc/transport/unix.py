@@ -53,6 +53,7 @@ from typing import Any
 log = logging.getLogger(__name__)
 
 MAGIC = b"nbrpc-u1"
+CHANNEL_MAGIC = b"nbrpc-c1"  # a caller thread's own channel (:mod:`.channel`)
 HELLO_TIMEOUT = 10.0  # seconds a new connection has to authenticate
 MAX_UNAUTHENTICATED = 64  # connections waiting to authenticate, at most
 MAX_FRAMES = 1 << 16  # frames per message (one head + one per buffer)
@@ -237,11 +238,13 @@ class UnixReceiver:
     built on them). Messages skipped as too large are listed in ``skipped``.
     """
 
-    def __init__(self, sock: socket.socket, token: bytes, max_size: int) -> None:
+    def __init__(self, sock: socket.socket, token: bytes, max_size: int,
+                 authenticated: bool = False) -> None:
         self.sock = sock
         self.fd = sock.fileno()
-        self._hello = MAGIC + token
-        self.authenticated = False
+        self._token = token
+        self.authenticated = authenticated  # (True: our own outgoing channel)
+        self.channel = False  # it opened with CHANNEL_MAGIC (see :mod:`.channel`)
         self._max = max_size
         self._chunk = bytearray(_CHUNK)
         self._buf = bytearray()  # bytes read and not yet parsed
@@ -291,13 +294,17 @@ class UnixReceiver:
     def _parse(self, out: list) -> None:
         buf = self._buf
         if not self.authenticated:
-            size = len(self._hello)
+            size = len(MAGIC) + len(self._token)
             if len(buf) < size:
                 return
-            if not hmac.compare_digest(bytes(buf[:size]), self._hello):
+            magic = bytes(buf[:len(MAGIC)])
+            if magic not in (MAGIC, CHANNEL_MAGIC) or not hmac.compare_digest(
+                    bytes(buf[len(MAGIC):size]), self._token):
                 raise Refused("a connection without the group's key")
-            self.authenticated = True
+            self.authenticated, self.channel = True, magic == CHANNEL_MAGIC
             del buf[:size]
+            if self.channel:  # what follows is read by the channel's own thread
+                return
         pos = 0
         while len(buf) - pos >= _COUNT.size:
             n = _COUNT.unpack_from(buf, pos)[0]
@@ -361,12 +368,14 @@ class UnixHub:
 
     def __init__(self, path: str, token: bytes, max_size: int, *,
                  deliver: Callable[[list], None], note_drop: Callable[[str, str], None],
-                 call_later: Callable, drain: Callable, links: dict, name: str) -> None:
+                 call_later: Callable, drain: Callable, links: dict, name: str,
+                 serve_channel: Callable[[UnixReceiver, list], bool] | None = None) -> None:
         self.listener = listen(path)
         self._token, self._max = token, max_size
         self._deliver, self._note_drop, self._call_later = deliver, note_drop, call_later
         self._drain = drain  # sends what a dealer's senders left (see _locked)
         self._links, self._name = links, name
+        self._serve_channel = serve_channel  # (receiver, first messages) -> taken?
         # (keyed by file descriptor: that is what zmq's poller reports for them)
         self.handlers: dict[int, Callable] = {self.listener.fileno(): self._on_accept}
         self._receivers: dict[int, UnixReceiver] = {}
@@ -424,6 +433,11 @@ class UnixHub:
             else:
                 self._refuse(str(e))
             return
+        if receiver.channel and not closed:  # a caller's own channel: its own thread
+            self._unwatch_receiver(receiver)
+            if self._serve_channel is None or not self._serve_channel(receiver, messages):
+                receiver.close()  # (no acknowledgement: the caller goes the usual way)
+            return
         for why in receiver.skipped:
             self._note_drop("too large", why)
         receiver.skipped.clear()
@@ -433,11 +447,24 @@ class UnixHub:
             self._drop_receiver(receiver)
 
     def _drop_receiver(self, receiver: UnixReceiver) -> None:
+        self._unwatch_receiver(receiver)
+        receiver.close()
+
+    def _unwatch_receiver(self, receiver: UnixReceiver) -> None:
         if self._receivers.pop(receiver.fd, None) is not None:
             self.handlers.pop(receiver.fd, None)
             if self._poller is not None:
                 self._poller.unregister(receiver.fd)
-        receiver.close()
+
+    def adopt(self, receiver: UnixReceiver) -> None:
+        """Read ``receiver`` from now on like an accepted connection (a
+        caller's channel whose thread stopped waiting on it)."""
+        if self._poller is None:
+            receiver.close()
+            return
+        self._receivers[receiver.fd] = receiver
+        self.handlers[receiver.fd] = self._on_readable
+        self._poller.register(receiver.fd, 1)
 
     # -- outgoing ------------------------------------------------------------
     def watch(self, peer: int, dealer, retry: float = 0.05) -> None:
