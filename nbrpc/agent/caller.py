@@ -136,7 +136,7 @@ class Caller:
         reads what still comes, and ``wait()`` goes on the usual way."""
         if chan.owner != threading.get_ident():
             return
-        deliver = self.io.deliver
+        deliver, read = self.io.deliver, False
         try:
             while not fut.done():
                 left = deadline - time.monotonic()
@@ -145,12 +145,14 @@ class Caller:
                 messages, closed = chan.read(min(_SLICE, left))
                 for frames in messages:
                     deliver(frames)
+                    read = True
                 if closed:
                     break
         except BaseException:
+            fut.pump = None
             self.io.channels.forget(chan, adopt=True)
             raise
-        if not fut.done():
+        if not read:  # settled elsewhere (its timer, the peer gone) or not yet
             fut.pump = None
             self.io.channels.forget(chan, adopt=not chan.closed)
 

@@ -1,0 +1,173 @@
+"""A calling thread's own channel (nbrpc.transport.channel).
+
+Unit tests frame messages over a socket pair with no agent; the in-process
+tests check what the agents do with channels: which calls take one, where
+the callee runs them, the handshake, the bound, and every way a caller can
+stop reading (timeout, Ctrl-C, its thread ending) without losing an answer
+or a serving thread.
+"""
+
+from __future__ import annotations
+
+import operator
+import socket
+import threading
+import time
+
+import pytest
+from conftest import local_group, poll_for
+
+from nbrpc.agent.messages import Call
+from nbrpc.errors import RpcTimeoutError
+from nbrpc.transport import channel, local, new_key, pack, unix
+from nbrpc.transport.auth import connect_token
+from nbrpc.transport.channel import ChannelClosed, write_all
+from nbrpc.transport.unix import UnixReceiver
+
+
+def _thread_name() -> str:
+    return threading.current_thread().name
+
+
+def _sleep_then(seconds: float, value: int) -> int:
+    time.sleep(seconds)
+    return value
+
+
+def _call_back(to: str, x: int) -> int:
+    from nbrpc import rpc
+    from nbrpc.agent import current_agent
+    return current_agent().rpc_sync(to, operator.neg, (x,)) + rpc.get_worker_info().id
+
+
+# -- framing, no agent -------------------------------------------------------------------
+def test_write_all_frames_what_a_receiver_reads_empty_and_large_frames_included() -> None:
+    a, b = socket.socketpair()
+    a.setblocking(False)
+    b.setblocking(False)
+    big = bytes(range(256)) * 8192  # 2 MiB: more than the socket buffer holds
+    got: list = []
+
+    def read() -> None:
+        r = UnixReceiver(b, b"", 1 << 24, authenticated=True)
+        deadline = time.monotonic() + 10
+        while len(got) < 2 and time.monotonic() < deadline:
+            messages, closed = r.read()
+            got.extend(messages)
+            if closed:
+                return
+            time.sleep(0.001)
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    try:
+        assert write_all(a, [b"head", b"", big]) > len(big)  # waits for the reader
+        write_all(a, [b"x"])
+        reader.join(10)
+        assert [[bytes(f) for f in m] for m in got] == [[b"head", b"", big], [b"x"]]
+    finally:
+        a.close()
+        b.close()
+
+
+def test_write_all_gives_up_on_a_reader_that_takes_nothing() -> None:
+    a, b = socket.socketpair()
+    a.setblocking(False)
+    try:
+        with pytest.raises(ChannelClosed, match="took nothing"):
+            write_all(a, [bytes(8 << 20)], timeout=0.2)
+    finally:
+        a.close()
+        b.close()
+
+
+# -- agents ------------------------------------------------------------------------------
+@pytest.fixture
+def pair():
+    with local_group(["a", "b"], threads=2, rpc_timeout=10.0) as agents:
+        yield agents
+
+
+def _served(agent) -> int:
+    return len(agent.io.channels._served)
+
+
+def test_rpc_sync_runs_on_the_channel_thread_and_rpc_async_on_the_pool(pair) -> None:
+    a, b = pair
+    assert a.rpc_sync(1, _thread_name) == "nbrpc-io[b]-channel"
+    assert a.rpc_async(1, _thread_name).wait().startswith("nbrpc-worker[b]")
+    assert _served(b) == 1 and a.io.channel(1) is a.io.channel(1)  # one per thread
+    assert a.io.sent_msgs >= 2 and b.io.sent_msgs >= 2  # channels counted too
+    assert a.rpc_sync(1, operator.add, (2, 3)) == 5
+
+
+def test_each_thread_has_its_own_channel_and_a_thread_that_ends_frees_its_own(pair) -> None:
+    a, b = pair
+    a.rpc_sync(1, operator.pos, (1,))
+    results = []
+    t = threading.Thread(target=lambda: results.append(a.rpc_sync(1, _thread_name)))
+    t.start()
+    t.join(10)
+    assert results == ["nbrpc-io[b]-channel"]
+    del t  # its channel went with its thread-local state; the callee's thread leaves
+    assert poll_for(lambda: _served(b) == 1, 5), _served(b)
+
+
+def test_callee_calls_back_from_its_channel_thread(pair) -> None:
+    a, b = pair
+    assert a.rpc_sync(1, _call_back, ("a", 5)) == -5 + 1  # b calls a while serving a
+
+
+def test_a_timed_out_call_leaves_the_channel_usable(pair) -> None:
+    a, b = pair
+    with pytest.raises(RpcTimeoutError):
+        a.rpc_sync(1, _sleep_then, (1.0, 1), timeout=0.2)
+    # the late answer is read by the I/O thread (the channel was handed over)
+    assert poll_for(lambda: a.late_replies == 1, 5)
+    assert a.rpc_sync(1, operator.pos, (7,)) == 7
+
+
+def test_an_interrupted_wait_loses_nothing(pair, monkeypatch) -> None:
+    a, b = pair
+    a.rpc_sync(1, operator.pos, (1,))
+    chan = a.io.channel(1)
+    real = chan.read
+
+    def interrupted(timeout: float):
+        chan.read = real  # once
+        raise KeyboardInterrupt
+
+    chan.read = interrupted
+    fut = a.request(1, Call(_sleep_then, (0.2, 42), {}), sync=True)
+    with pytest.raises(KeyboardInterrupt):
+        fut.wait()
+    assert a.io.channel(1) is not chan  # handed to the I/O thread; a new one for the next
+    assert fut.wait() == 42  # the I/O thread read the answer
+
+
+def test_over_the_limit_calls_take_the_usual_path(pair, monkeypatch) -> None:
+    a, b = pair
+    monkeypatch.setattr(channel, "MAX_CHANNELS", 0)
+    assert a.rpc_sync(1, _thread_name).startswith("nbrpc-worker[b]")
+    assert a.io.channel(1) is None  # refused lately: not tried again at once
+
+
+def test_a_channel_without_the_key_is_refused_and_a_forged_message_dropped(pair) -> None:
+    a, b = pair
+    path = unix.path_of(local.local_endpoint(b.io.local_address))
+    evil = b"cos\nsystem\n(S'echo pwned'\ntR."
+    with socket.socket(socket.AF_UNIX) as s:  # a wrong token: refused, nothing read
+        s.connect(path)
+        s.sendall(unix.CHANNEL_MAGIC + bytes(len(connect_token(b._key))) + evil)
+        assert poll_for(lambda: b.io.dropped["refused connection"] == 1)
+        s.settimeout(5)
+        assert s.recv(1) == b""  # closed, no acknowledgement
+    frames = pack(new_key(), 1, 0, 1, evil)  # signed with another key
+    with socket.socket(socket.AF_UNIX) as s:
+        s.connect(path)
+        s.sendall(unix.CHANNEL_MAGIC + connect_token(b._key))
+        s.settimeout(5)
+        assert s.recv(1) == channel.ACCEPTED
+        write_all(s, frames)
+        assert poll_for(lambda: b.io.dropped["bad signature"] == 1)
+    assert a.rpc_sync(1, operator.pos, (3,)) == 3
