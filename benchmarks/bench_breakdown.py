@@ -12,21 +12,26 @@ stage  from → to                                  what it is
 =====  =========================================  ================================
 1      rpc_sync called → IOLoop.send entered      caller: checks, pickling, bookkeeping
 2      → IOLoop.send returned                     caller: signing, send
-3      → callee's I/O thread dispatches it        the kernel (over TCP also zmq's
+3      → callee's reading thread dispatches it    the kernel (over TCP also zmq's
                                                   I/O threads), recv, MAC check, unpack
-4      → a pool thread starts serving it          callee: hand-off to the pool
+4      → a thread starts serving it               callee: hand-off to the pool (none
+                                                  on a channel: its thread serves)
 5      → the handler starts                       callee: unpickling
 6      → the handler returns                      the function itself
 7      → IOLoop.send entered (the answer)         callee: pickling the answer
 8      → IOLoop.send returned                     callee: signing, send
-9      → caller's I/O thread dispatches it        as 3, the other way
+9      → caller's reading thread dispatches it    as 3, the other way (on a channel:
+                                                  the calling thread reads it)
 10     → the future is completed                  caller: unpickling, matching
 11     → rpc_sync returns                         caller: waking the waiting thread
+                                                  (none on a channel)
 =====  =========================================  ================================
 
 Medians per stage (µs), and the sum of the medians against the median total,
-for connections over the Unix domain socket (peers on one host, the default)
-and over loopback TCP (``local_ipc=False``). The wrappers cost ~1 µs a stamp,
+for connections over the Unix domain socket (peers on one host, the default:
+``rpc_sync`` goes over the calling thread's own channel, see
+:mod:`nbrpc.transport.channel`) and over loopback TCP (``local_ipc=False``:
+the I/O threads and the pool). The wrappers cost ~1 µs a stamp,
 so totals run ~10 µs above ``bench_rpc.py``'s.
 """
 
@@ -50,15 +55,15 @@ import torch.multiprocessing as mp
 STAGES = [
     "caller: checks, pickling, bookkeeping",
     "caller: signing + send",
-    "transport to the callee's I/O thread",
-    "callee: I/O thread → pool thread",
+    "transport to the callee's reading thread",
+    "callee: hand-off to the pool (none on a channel)",
     "callee: unpickling",
     "the handler (operator.pos)",
     "callee: pickling the answer",
     "callee: signing + send",
-    "transport back to the caller's I/O thread",
+    "transport back to the caller's reading thread",
     "caller: unpickling, completing the future",
-    "caller: waking the waiting thread",
+    "caller: waking the waiting thread (none on a channel)",
 ]
 
 
@@ -73,9 +78,9 @@ def _instrument(stamps: dict[int, dict[str, float]]) -> None:
     send, on_message, serve, complete = (IOLoop.send, Callee._on_message, Callee._serve,
                                          Caller._complete)
 
-    def timed_send(self, peer, kind, msg_id, payload, buffers=()):
+    def timed_send(self, peer, kind, msg_id, payload, buffers=(), via=None):
         t0 = clock()
-        n = send(self, peer, kind, msg_id, payload, buffers)
+        n = send(self, peer, kind, msg_id, payload, buffers, via)
         if kind in (REQUEST, RESPONSE):
             stamps.setdefault(msg_id, {}).update({f"send0.{kind}": t0, f"send1.{kind}": clock()})
         return n

@@ -89,7 +89,7 @@ def pair():
 
 
 def _served(agent) -> int:
-    return len(agent.io.channels._served)
+    return agent.snapshot(events=0)["counters"]["channels"]
 
 
 def test_rpc_sync_runs_on_the_channel_thread_and_rpc_async_on_the_pool(pair) -> None:
@@ -111,6 +111,17 @@ def test_each_thread_has_its_own_channel_and_a_thread_that_ends_frees_its_own(pa
     assert results == ["nbrpc-io[b]-channel"]
     del t  # its channel went with its thread-local state; the callee's thread leaves
     assert poll_for(lambda: _served(b) == 1, 5), _served(b)
+
+
+def _busy_channels() -> int:
+    from nbrpc.agent import current_agent
+    return current_agent().snapshot(events=0)["counters"]["channels_busy"]
+
+
+def test_a_call_on_a_channel_counts_as_a_busy_thread(pair) -> None:
+    a, b = pair
+    assert a.rpc_sync(1, _busy_channels) == 1
+    assert b.snapshot(events=0)["counters"]["channels_busy"] == 0
 
 
 def test_callee_calls_back_from_its_channel_thread(pair) -> None:

@@ -158,6 +158,7 @@ class Agent(Caller, Callee, Control, Shutdown):
         self.readmitted = 0  # members (or the coordinator) taken back after a wrong suspicion
         self._gc_held = False
         self.timeouts = self.late_replies = self.remote_errors = 0
+        self.channels_busy = 0  # channel threads running a request (under _lock)
         for install in _EXTENSIONS:
             install(self)
 
@@ -361,6 +362,8 @@ class Agent(Caller, Callee, Control, Shutdown):
                 "threads": self.pool.size,
                 "busy_threads": self.pool.busy,
                 "queued": self.pool.queued,
+                "channels": self.io.channels.served if self.io.channels is not None else 0,
+                "channels_busy": self.channels_busy,
             },
             "in_flight": [
                 {"msg_id": mid, "op": p.op, "peer": self.peer_name(p.peer),

@@ -3,9 +3,11 @@
 Mixed into :class:`~nbrpc.agent.agent.Agent`. The I/O thread sorts each
 message (:meth:`Callee._on_message`): a REQUEST is unpickled and run on the
 worker pool, an INLINE one (protocol bookkeeping) on the I/O thread itself; the
-thread that ran the handler sends the answer. A request that cannot be
-unpickled is answered with an ``unread`` error, so that the caller undoes what
-it carried.
+thread that ran the handler sends the answer. A request that came on a
+caller's own channel (:mod:`nbrpc.transport.channel`: ``rpc_sync``,
+``to_here``) runs on that channel's thread instead, and its answer goes back
+on the channel. A request that cannot be unpickled is answered with an
+``unread`` error, so that the caller undoes what it carried.
 """
 
 from __future__ import annotations
@@ -49,14 +51,17 @@ class Callee:
                                   f"member table ({MAX_EARLY} already held)")
         elif kind == REQUEST:
             if env.channel is not None and threading.get_ident() != self.io.thread_ident:
-                self._serve(env)  # on the channel's own thread (see transport.channel)
+                with self._lock:  # (counted as a busy thread, as the pool's are)
+                    self.channels_busy += 1
+                try:
+                    self._serve(env)  # on the channel's own thread (see transport.channel)
+                finally:
+                    with self._lock:
+                        self.channels_busy -= 1
             else:
                 self.pool.submit(self._serve, env)
-        elif kind == INLINE:
-            if env.channel is not None and threading.get_ident() != self.io.thread_ident:
-                self.io.call_soon(self._serve, env)  # protocol state: the I/O thread's
-            else:
-                self._serve(env)
+        elif kind == INLINE:  # (on a channel: its thread; see Caller.request's sync)
+            self._serve(env)
         elif kind == CONTROL:
             self._on_control(env)
         else:

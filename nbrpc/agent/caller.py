@@ -66,7 +66,9 @@ class Caller:
         answer; ``then(value, error)`` runs when it arrives (or the call fails).
         ``sync``: this thread waits for the answer next (``.wait()``, nothing
         in between), so it may go over the thread's own channel and the
-        thread reads the answer itself."""
+        thread reads the answer itself; the callee then runs the handler on
+        that channel's thread, so an ``inline`` one must be thread-safe
+        (``rref_fetch`` is: the RRef state has its lock)."""
         if self.state not in ("ready", "stopping"):
             raise ShutdownError(f"agent {self.name!r} is {self.state}; it takes no new calls")
         peer = self.resolve(to).rank

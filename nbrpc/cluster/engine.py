@@ -84,8 +84,9 @@ def describe(agent: Agent | None) -> dict[str, Any]:
     return {
         "pid": os.getpid(),
         "host": socket.gethostname(),
-        "threads": counters.get("threads", 0),
-        "busy_threads": counters.get("busy_threads", 0),
+        # the pool's threads and those serving callers' own channels
+        "threads": counters.get("threads", 0) + counters.get("channels", 0),
+        "busy_threads": counters.get("busy_threads", 0) + counters.get("channels_busy", 0),
         "in_flight": counters.get("in_flight", 0),
         "owned_rrefs": len(owned),
         "owned_bytes": sum(v.get("nbytes") or 0 for v in owned),

@@ -321,6 +321,11 @@ class Channels:
         return True
 
     @property
+    def served(self) -> int:
+        """Channels served now (a thread each)."""
+        return len(self._served)
+
+    @property
     def sent(self) -> tuple[int, int]:
         """(messages, bytes) written on channels, both ends."""
         ends = [*list(self._mine), *list(self._served)]
