@@ -97,7 +97,8 @@ def test_rpc_sync_runs_on_the_channel_thread_and_rpc_async_on_the_pool(pair) -> 
     assert a.rpc_sync(1, _thread_name) == "nbrpc-io[b]-channel"
     assert a.rpc_async(1, _thread_name).wait().startswith("nbrpc-worker[b]")
     assert _served(b) == 1 and a.io.channel(1) is a.io.channel(1)  # one per thread
-    assert a.io.sent_msgs >= 2 and b.io.sent_msgs >= 2  # channels counted too
+    # channels counted too (each side counts once its write returned)
+    assert poll_for(lambda: a.io.sent_msgs >= 2 and b.io.sent_msgs >= 2, 5)
     assert a.rpc_sync(1, operator.add, (2, 3)) == 5
 
 
@@ -121,7 +122,7 @@ def _busy_channels() -> int:
 def test_a_call_on_a_channel_counts_as_a_busy_thread(pair) -> None:
     a, b = pair
     assert a.rpc_sync(1, _busy_channels) == 1
-    assert b.snapshot(events=0)["counters"]["channels_busy"] == 0
+    assert poll_for(lambda: b.snapshot(events=0)["counters"]["channels_busy"] == 0, 5)
 
 
 def test_callee_calls_back_from_its_channel_thread(pair) -> None:
@@ -133,9 +134,12 @@ def test_a_timed_out_call_leaves_the_channel_usable(pair) -> None:
     a, b = pair
     with pytest.raises(RpcTimeoutError):
         a.rpc_sync(1, _sleep_then, (1.0, 1), timeout=0.2)
-    # the late answer is read by the I/O thread (the channel was handed over)
+    # the late answer is read by the I/O thread (the channel was handed over),
+    # which then closes the channel: the callee's thread for it leaves
     assert poll_for(lambda: a.late_replies == 1, 5)
+    assert poll_for(lambda: _served(b) == 0, 5), _served(b)
     assert a.rpc_sync(1, operator.pos, (7,)) == 7
+    assert _served(b) == 1
 
 
 def test_an_interrupted_wait_loses_nothing(pair, monkeypatch) -> None:
@@ -152,8 +156,9 @@ def test_an_interrupted_wait_loses_nothing(pair, monkeypatch) -> None:
     fut = a.request(1, Call(_sleep_then, (0.2, 42), {}), sync=True)
     with pytest.raises(KeyboardInterrupt):
         fut.wait()
-    assert a.io.channel(1) is not chan  # handed to the I/O thread; a new one for the next
     assert fut.wait() == 42  # the I/O thread read the answer
+    assert poll_for(lambda: _served(b) == 0, 5)  # and then closed the channel
+    assert a.io.channel(1) is not chan  # a new one for the next call
 
 
 def test_over_the_limit_calls_take_the_usual_path(pair, monkeypatch) -> None:

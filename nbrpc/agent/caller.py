@@ -150,9 +150,10 @@ class Caller:
                     read = True
                 if closed:
                     break
-        except BaseException:
+        except BaseException:  # (Ctrl-C)
             fut.pump = None
-            self.io.channels.forget(chan, adopt=True)
+            if not fut.done():  # its answer is still to come: the I/O thread reads it
+                self.io.channels.forget(chan, adopt=True)
             raise
         if not read:  # settled elsewhere (its timer, the peer gone) or not yet
             fut.pump = None

@@ -245,6 +245,7 @@ class UnixReceiver:
         self._token = token
         self.authenticated = authenticated  # (True: our own outgoing channel)
         self.channel = False  # it opened with CHANNEL_MAGIC (see :mod:`.channel`)
+        self.due: int | None = None  # adopted channel: answers still to come
         self._max = max_size
         self._chunk = bytearray(_CHUNK)
         self._buf = bytearray()  # bytes read and not yet parsed
@@ -443,6 +444,9 @@ class UnixHub:
         receiver.skipped.clear()
         for frames in messages:
             self._deliver(frames)
+        if receiver.due is not None and messages:  # an adopted channel
+            receiver.due -= len(messages)
+            closed = closed or receiver.due <= 0
         if closed:
             self._drop_receiver(receiver)
 
@@ -457,11 +461,13 @@ class UnixHub:
                 self._poller.unregister(receiver.fd)
 
     def adopt(self, receiver: UnixReceiver) -> None:
-        """Read ``receiver`` from now on like an accepted connection (a
-        caller's channel whose thread stopped waiting on it)."""
+        """Read ``receiver`` like an accepted connection until the one answer
+        still due on it has come, then close it (a caller's channel whose
+        thread stopped waiting: its timeout, Ctrl-C)."""
         if self._poller is None:
             receiver.close()
             return
+        receiver.due = 1
         self._receivers[receiver.fd] = receiver
         self.handlers[receiver.fd] = self._on_readable
         self._poller.register(receiver.fd, 1)
