@@ -168,6 +168,28 @@ def test_over_the_limit_calls_take_the_usual_path(pair, monkeypatch) -> None:
     assert a.io.channel(1) is None  # refused lately: not tried again at once
 
 
+def test_no_more_channels_than_worker_threads(pair) -> None:
+    a, b = pair  # (2 worker threads each)
+    names: list = []
+    gate, done = threading.Barrier(3, timeout=10), threading.Event()
+
+    def call() -> None:  # (alive until checked: a thread's channel ends with it)
+        gate.wait()
+        names.append(a.rpc_sync(1, _thread_name))
+        done.wait(10)
+
+    threads = [threading.Thread(target=call) for _ in range(3)]
+    for t in threads:
+        t.start()
+    try:
+        assert poll_for(lambda: len(names) == 3, 10), names
+        assert _served(b) == 2 and names.count("nbrpc-io[b]-channel") == 2, names
+    finally:
+        done.set()
+        for t in threads:
+            t.join(10)
+
+
 def test_a_channel_without_the_key_is_refused_and_a_forged_message_dropped(pair) -> None:
     a, b = pair
     path = unix.path_of(local.local_endpoint(b.io.local_address))

@@ -120,6 +120,7 @@ class Agent(Caller, Callee, Control, Shutdown):
         self.address = self.io.bind(opts.host, opts.port)
         if self.io.channels is not None:  # (threads that serve a caller's own channel)
             self.io.channels.on_thread_start = self._adopt_thread
+            self.io.channels.limit = opts.num_worker_threads
         self._member = Member(name, rank, self.address, self.io.local_address)
         self.pool = WorkerPool(opts.num_worker_threads, f"nbrpc-worker[{name}]",
                                self._adopt_thread, self.io.call_later)

@@ -26,8 +26,9 @@ reading its own answer), kept inside nbrpc's guarantees:
   guard) before anything is unpickled; declared sizes are checked before
   allocation. The callee acknowledges a channel with one byte once a thread
   serves it, so a request is never written to a channel nobody will read.
-* **Bounded.** A callee serves at most ``MAX_CHANNELS`` channels (refused
-  beyond: the caller uses the agent's ordinary path); writes give up after
+* **Bounded.** A callee serves at most ``MAX_CHANNELS`` channels, and no more
+  than its agent's ``num_worker_threads`` (refused beyond: the caller uses the
+  agent's ordinary path, and the pool's bound holds there); writes give up after
   ``WRITE_TIMEOUT`` (the connection is then closed); reads wait in slices, so
   a waiting notebook can be interrupted.
 * **Nothing lost when the caller stops reading.** A caller interrupted while
@@ -260,6 +261,7 @@ class Channels:
         self._lock = threading.Lock()
         self.stopping = False
         self.on_thread_start: Callable[[], None] | None = None  # run by each serving thread
+        self.limit = MAX_CHANNELS  # channels served at once (the agent: its pool's size)
 
     def get(self, peer: int, endpoint: str) -> Channel | None:
         """The calling thread's channel to ``peer`` at ``endpoint``, made now
@@ -301,7 +303,7 @@ class Channels:
         """Serve an accepted channel on a thread of its own; False when at
         the limit (the connection is then closed unacknowledged)."""
         with self._lock:
-            if self.stopping or len(self._served) >= MAX_CHANNELS:
+            if self.stopping or len(self._served) >= min(self.limit, MAX_CHANNELS):
                 log.info("%s: refusing a channel: %d are served", self._name, len(self._served))
                 return False
             served = ServedChannel(receiver.sock)
