@@ -51,13 +51,7 @@ class Callee:
                                   f"member table ({MAX_EARLY} already held)")
         elif kind == REQUEST:
             if env.channel is not None and threading.get_ident() != self.io.thread_ident:
-                with self._lock:  # (counted as a busy thread, as the pool's are)
-                    self.channels_busy += 1
-                try:
-                    self._serve(env)  # on the channel's own thread (see transport.channel)
-                finally:
-                    with self._lock:
-                        self.channels_busy -= 1
+                self._serve(env)  # on the channel's own thread (see transport.channel)
             else:
                 self.pool.submit(self._serve, env)
         elif kind == INLINE:  # (on a channel: its thread; see Caller.request's sync)
@@ -88,11 +82,17 @@ class Callee:
             handler = self.handlers.get(op)
             if handler is None:
                 raise SerializationError(f"no handler for request op {op!r} on {self.name!r}")
-            if tag is None or self.propagator is None:
-                result = handler(msg, env.sender)
-            else:
-                with self.propagator.enter(tag):
+            if env.channel is not None:  # a busy thread, as the pool's are, until it answers
+                self._channel_busy(1)
+            try:
+                if tag is None or self.propagator is None:
                     result = handler(msg, env.sender)
+                else:
+                    with self.propagator.enter(tag):
+                        result = handler(msg, env.sender)
+            finally:
+                if env.channel is not None:
+                    self._channel_busy(-1)
         except BaseException as e:
             self.user_error(op, env.sender, e)
             self._reply(env, pack_error(e, self.name), op, started, tag)
@@ -102,6 +102,10 @@ class Callee:
                     lambda f: self._reply_future(env, f, op, started, tag, _what(msg)))
         else:
             self._reply(env, Ok(result), op, started, tag, _what(msg))
+
+    def _channel_busy(self, n: int) -> None:
+        with self._lock:
+            self.channels_busy += n
 
     def _wait_before(self, events: list[threading.Event]) -> None:
         """Wait (bounded by the RPC timeout, on a pool thread) for what the
