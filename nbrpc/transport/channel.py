@@ -106,17 +106,44 @@ def write_all(sock: socket.socket, frames: list, timeout: float = WRITE_TIMEOUT)
     return total
 
 
-class Channel:
-    """The calling thread's end: write a request, read the answers.
+class _End:
+    """One end of a channel: its socket, written under a lock by any thread."""
 
-    Used by one thread at a time (its owner); :meth:`write` is also safe from
-    others (the lock), since an answer may be written by any thread.
-    """
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock, self.lock, self.closed = sock, threading.Lock(), False
+        self.sent_msgs = self.sent_bytes = 0
+
+    def write(self, frames: list) -> int:
+        """Write one message; raises :class:`ChannelClosed` (and closes) on failure."""
+        with self.lock:
+            if self.closed:
+                raise ChannelClosed("the channel is closed")
+            try:
+                n = write_all(self.sock, frames)
+            except ChannelClosed:
+                self.close()
+                raise
+            self.sent_msgs += 1
+            self.sent_bytes += n
+            return n
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            try:
+                self.sock.shutdown(socket.SHUT_RDWR)  # wakes a thread polling it
+            except OSError:
+                pass
+
+
+class Channel(_End):
+    """The calling thread's end: write a request, read the answers (the
+    thread that made it, its ``owner``, alone reads it)."""
 
     def __init__(self, peer: int, endpoint: str, token: bytes, max_size: int,
                  ack_timeout: float = ACK_TIMEOUT) -> None:
         self.peer, self.endpoint = peer, endpoint
-        self.owner = threading.get_ident()  # the thread that reads it
+        self.owner = threading.get_ident()
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             sock.settimeout(ack_timeout)
@@ -128,28 +155,12 @@ class Channel:
             sock.close()
             raise ChannelClosed(f"no channel to peer {peer}: {e}") from e
         sock.setblocking(False)
-        self.sock = sock
+        super().__init__(sock)
         # a thread that ends drops its channels: the connection closes with them
         self._finalizer = weakref.finalize(self, sock.close)
         self.receiver = UnixReceiver(sock, token, max_size, authenticated=True)
         self._poller = select.poll()
         self._poller.register(sock, _POLLIN)
-        self._lock = threading.Lock()
-        self.closed = False
-        self.sent_msgs = self.sent_bytes = 0
-
-    def write(self, frames: list) -> int:
-        with self._lock:
-            if self.closed:
-                raise ChannelClosed(f"the channel to peer {self.peer} is closed")
-            try:
-                n = write_all(self.sock, frames)
-            except ChannelClosed:
-                self.close()
-                raise
-            self.sent_msgs += 1
-            self.sent_bytes += n
-            return n
 
     def read(self, timeout: float) -> tuple[list[list], bool]:
         """Wait up to ``timeout`` s for data; (the messages complete now,
@@ -168,44 +179,12 @@ class Channel:
         return self.receiver
 
     def close(self) -> None:
-        if not self.closed:
-            self.closed = True
-            try:
-                self.sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-            self._finalizer()
+        super().close()
+        self._finalizer()  # (once; nothing after detach())
 
 
-class ServedChannel:
+class ServedChannel(_End):
     """The callee's end of one channel: written by whichever thread answers."""
-
-    __slots__ = ("sock", "lock", "closed", "sent_msgs", "sent_bytes")
-
-    def __init__(self, sock: socket.socket) -> None:
-        self.sock, self.lock, self.closed = sock, threading.Lock(), False
-        self.sent_msgs = self.sent_bytes = 0
-
-    def write(self, frames: list) -> int:
-        with self.lock:
-            if self.closed:
-                raise ChannelClosed("the caller closed its channel")
-            try:
-                n = write_all(self.sock, frames)
-            except ChannelClosed:
-                self.close()
-                raise
-            self.sent_msgs += 1
-            self.sent_bytes += n
-            return n
-
-    def close(self) -> None:
-        if not self.closed:
-            self.closed = True
-            try:
-                self.sock.shutdown(socket.SHUT_RDWR)  # wakes the thread reading it
-            except OSError:
-                pass
 
 
 def serve(receiver: UnixReceiver, served: ServedChannel, first: list[list],
