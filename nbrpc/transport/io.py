@@ -21,28 +21,15 @@ which the agent uses for call deadlines.
 A plain ``zmq.Poller`` thread was chosen by measurement: about 1.8× the round
 trips per second of ``zmq.asyncio`` in a minimal Python request/reply here.
 
-Connections are authenticated before any message is read: the ROUTER speaks
-ZeroMQ's PLAIN mechanism, and its ZAP handler (served on the I/O thread)
-accepts a connection only if its password is ``HMAC(key, "nbrpc-connect")``,
-which only key holders can compute. A peer without the key never completes a
-handshake, so nothing it sends is allocated or read (the token travels in
-clear; on a network someone can sniff, use ``encrypt=True``, where CURVE's
-handshake does the same job without revealing anything). Input from a
-connected peer is bounded too: libzmq drops a frame larger than the maximum
-message size before allocating it (``ZMQ_MAXMSGSIZE``), reads at most
-``RCVHWM`` queued messages per peer, and :func:`~.frames.unpack` rejects a
+Connections are authenticated before any message is read, on either
+backend: zmq's (``tcp://``, :mod:`.zmqhub`: PLAIN with the group's token
+checked by a ZAP handler, or CURVE with ``encrypt=True``) and plain Unix
+sockets' (``unix://``, :mod:`.unix`). :func:`~.frames.unpack` then rejects a
 message that is not signed with the key after one MAC over at most 64 KiB.
 Messages that fail a check, replayed or stale messages, and unreadable
 shared-memory segments are dropped unread and counted by reason
 (``dropped``); the log gets the first of each reason at once, then one
 summary line per ``DROP_LOG_INTERVAL``.
-
-Encryption (``encrypt=True``): every connection uses ZeroMQ's CURVE
-(Curve25519 key exchange, then every frame encrypted and authenticated by
-libsodium). The server key pair of every agent is derived from the group
-key, so a peer without the key cannot even complete a connection: nothing it
-sends reaches the I/O thread. For traffic that crosses networks you do not
-trust; on one host or a private network, signing alone is enough and faster.
 
 Same host: the loop also listens on a plain Unix domain socket in a private
 directory, and a peer on the same host (same boot, network and mount
@@ -51,9 +38,9 @@ no libzmq in between (:mod:`.unix`: the same handshake token, signed frames
 and bounds; ~30 µs less per round trip). Which backend a peer gets follows the
 scheme of its address: ``unix://`` or zmq's ``tcp://``.
 
-Links: every DEALER is watched by a libzmq socket monitor, so the agent
-learns within milliseconds that the process at the other end is gone (the
-kernel closed its connection), with no heartbeat involved.
+Links: the agent learns within milliseconds that the process at the other
+end of a connection is gone (the kernel closed it: a zmq socket monitor, or
+a Unix socket's hang-up), with no heartbeat involved.
 :meth:`IOLoop.link_down_since` tells since when a peer's link is down; a
 process that is stopped or busy (its GIL held) keeps its link up.
 """
@@ -69,10 +56,9 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 import zmq
-from zmq.utils.monitor import recv_monitor_message
 
 from . import channel, local, shm, unix
-from .auth import connect_token, curve_keys, zap_answer  # (connect_token: re-exported)
+from .auth import connect_token  # (re-exported)
 from .frames import (
     DEFAULT_MAX_MESSAGE,
     FLAG_SHM,
@@ -87,20 +73,13 @@ from .frames import (
     unpack,
 )
 from .timers import Timers
+from .zmqhub import LINGER_MS, ZmqHub, close_monitor
 
 log = logging.getLogger(__name__)
 
-_RECV_BATCH = 256  # messages read per wake-up before call_soon work is served again
-_LINGER_MS = 500  # how long close() lets queued frames drain: after a graceful stop only
 MAX_HELD = 10_000  # messages held per peer whose address is not known yet
-# final control notes remain (ms on a live link), and a note to a peer already gone
-# would otherwise hold every shutdown for the whole linger
 _MAX_SLEEP_MS = 500  # the loop wakes at least this often to look at new timers
-RCVHWM = 1000  # messages queued per sending peer before libzmq stops reading it
 DROP_LOG_INTERVAL = 10.0  # seconds between summary lines about dropped messages
-_LINK_EVENTS = zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED
-# plain ints: pyzmq's enum members cost an enum construction per ``&`` (~0.5 µs)
-_RCVMORE, _EVENTS, _POLLIN = int(zmq.RCVMORE), int(zmq.EVENTS), int(zmq.POLLIN)
 
 
 class IOLoop:
@@ -131,25 +110,13 @@ class IOLoop:
         self._seq = Sequencer()
         self._guard = ReplayGuard(max_age)
         self._guard_lock = threading.Lock()  # (channel threads deliver too)
-        self._ctx = zmq.Context()
-        self._router = self._ctx.socket(zmq.ROUTER)
-        self._router.setsockopt(zmq.LINGER, 0)
-        self._router.setsockopt(zmq.RCVHWM, RCVHWM)
-        # a frame above this is refused by libzmq before it is allocated
-        self._router.setsockopt(zmq.MAXMSGSIZE, self.max_message_size + MAX_HEADER + SIG_LEN)
-        self._curve = curve_keys(key) if encrypt else None
-        self._zap: zmq.Socket | None = None
-        self._refused_zap = 0  # handshakes refused: no key
-        if self._curve is not None:
-            self._router.setsockopt(zmq.CURVE_SERVER, 1)
-            self._router.setsockopt(zmq.CURVE_SECRETKEY, self._curve[1])
-        else:  # (bound before the ROUTER: no handshake ever goes unchecked)
-            self._zap = self._ctx.socket(zmq.REP)
-            self._zap.setsockopt(zmq.LINGER, 0)
-            self._zap.bind("inproc://zeromq.zap.01")
-            self._router.setsockopt(zmq.PLAIN_SERVER, 1)
-            self._router.setsockopt(zmq.ZAP_DOMAIN, b"nbrpc")
         self._token = connect_token(key)
+        # link state per peer: monotonic time since its link is down, None while up
+        self._links: dict[int, float | None] = {}
+        self._zmq = ZmqHub(key, self._token, self.max_message_size + MAX_HEADER + SIG_LEN,
+                           encrypt, deliver=self.deliver, note_drop=self.note_drop,
+                           links=self._links, name=name,
+                           is_current=lambda peer, d: self._dealers.get(peer) is d)
         self._dealers: dict[int, _Dealer] = {}
         self._same_host: dict[int, bool] = {}
         self._shm = shm.ShmWriter(copy or shm.plain_copy) if shm.available() else None
@@ -184,23 +151,12 @@ class IOLoop:
         self._drops_unlogged: Counter[str] = Counter()
         self._drop_log_due = False
         self._sent_to_self = [0, 0]  # messages, bytes
-        # link state per peer: monotonic time since its link is down, None while up
-        self._links: dict[int, float | None] = {}
-        self._monitors: dict[zmq.Socket, tuple[int, _Dealer]] = {}
         self._poller: zmq.Poller | None = None
 
     # -- set-up ------------------------------------------------------------
     def bind(self, host: str = "127.0.0.1", port: int = 0) -> str:
         """Bind the ROUTER (port 0: any free port); returns ``tcp://host:port``."""
-        where = f"tcp://{_bracket(host)}:{port or '*'}"
-        try:
-            self._router.bind(where)
-        except zmq.ZMQError as e:
-            raise OSError(
-                f"nbrpc could not bind {where}: {e}. Choose another port, or stop the "
-                "process that holds it."
-            ) from e
-        self.address = self._router.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.address = self._zmq.bind(f"tcp://{_bracket(host)}:{port or '*'}")
         if self._ipc:
             self.local_address = self._bind_ipc()
         return self.address
@@ -257,7 +213,7 @@ class IOLoop:
         if old is not None and old != address:
             self.call_soon(self._drop_dealer, peer)
         elif redial:  # (what the old connection still holds drains, bounded by its linger)
-            self.call_soon(self._drop_dealer, peer, _LINGER_MS)
+            self.call_soon(self._drop_dealer, peer, LINGER_MS)
         if dealer is not None:
             self._flush(dealer)
 
@@ -276,7 +232,7 @@ class IOLoop:
     def refused_connections(self) -> int:
         """Connections refused: without the group's key (or, on the Unix
         socket, from another user, or not authenticated in time)."""
-        return self._refused_zap + (self._unix.refused if self._unix is not None else 0)
+        return self._zmq.refused + (self._unix.refused if self._unix is not None else 0)
 
     @property
     def dropped_bad(self) -> int:
@@ -424,13 +380,13 @@ class IOLoop:
             if entry is not None:
                 return entry
             address = self._addresses.get(peer)
-            if address is None and not (self._stopping or self._ctx.closed
+            if address is None and not (self._stopping or self._zmq.closed
                                         or peer in self._forgotten):
                 held = self._held.setdefault(peer, deque())
                 if len(held) < MAX_HELD:
                     held.append((frames, nbytes))
                     return None
-            if address is None or self._stopping or self._ctx.closed:
+            if address is None or self._stopping or self._zmq.closed:
                 log.warning("dropping a message to peer %d: %s", peer,
                             "transport stopped" if address is not None or self._stopping
                             else "it left the group" if peer in self._forgotten
@@ -440,26 +396,13 @@ class IOLoop:
 
     def _new_dealer(self, peer: int, address: str) -> _Dealer | None:
         """Connect to ``peer`` (the caller holds the dealers' lock)."""
-        if self._stopping or self._ctx.closed:
+        if self._stopping or self._zmq.closed:
             return None
         endpoint = self._local.get(peer)
         if endpoint is not None and endpoint.startswith("unix://"):
             return self._new_unix_dealer(peer, endpoint)
-        sock = self._ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.SNDHWM, 0)
-        sock.setsockopt(zmq.LINGER, _LINGER_MS)
-        if self._curve is not None:
-            server_public, _, public, secret = self._curve
-            sock.setsockopt(zmq.CURVE_SERVERKEY, server_public)
-            sock.setsockopt(zmq.CURVE_PUBLICKEY, public)
-            sock.setsockopt(zmq.CURVE_SECRETKEY, secret)
-        else:
-            sock.setsockopt(zmq.PLAIN_USERNAME, b"nbrpc")
-            sock.setsockopt(zmq.PLAIN_PASSWORD, self._token)
-        monitor = sock.get_monitor_socket(_LINK_EVENTS)
         self._links[peer] = time.monotonic()  # down until connected
-        sock.connect(endpoint or address)
-        dealer = self._dealers[peer] = _Dealer(sock, monitor)
+        dealer = self._dealers[peer] = _Dealer(*self._zmq.connect(endpoint or address))
         self.call_soon(self._watch, peer, dealer)
         return dealer
 
@@ -475,54 +418,13 @@ class IOLoop:
     def _watch(self, peer: int, dealer: _Dealer) -> None:
         """Poll ``dealer``'s monitor (on the I/O thread, which owns the poller)."""
         if self._poller is None or dealer.sock.closed or self._dealers.get(peer) is not dealer:
-            _close_monitor(dealer)
+            close_monitor(dealer)
             return
         if dealer.monitor is None:  # a plain Unix socket: watched by the hub
             if self._unix is not None:
                 self._unix.watch(peer, dealer)
             return
-        self._monitors[dealer.monitor] = (peer, dealer)
-        self._poller.register(dealer.monitor, zmq.POLLIN)
-
-    def _on_link_events(self, monitor: zmq.Socket) -> None:
-        peer, dealer = self._monitors[monitor]
-        for _ in range(64):
-            try:
-                event = recv_monitor_message(monitor, zmq.NOBLOCK)["event"]
-            except zmq.Again:
-                return
-            except zmq.ZMQError:
-                self._unwatch(dealer)
-                return
-            if self._dealers.get(peer) is not dealer:
-                continue
-            if event == zmq.EVENT_CONNECTED:
-                self._links[peer] = None
-            elif event == zmq.EVENT_DISCONNECTED and self._links.get(peer) is None:
-                self._links[peer] = time.monotonic()
-                log.info("%s: the connection to peer %d closed", self._name, peer)
-
-    def _authenticate(self) -> None:
-        """Answer ZAP requests (RFC 27): a connection is let in only with the
-        group's connection token as its PLAIN password."""
-        zap = self._zap
-        for _ in range(64):
-            try:
-                request = zap.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            reply, refused = zap_answer(request, self._token)
-            if refused is not None:
-                self._refused_zap += 1
-                self.note_drop("refused connection",
-                               f"a connection from {refused} without the group's key")
-            zap.send_multipart(reply)
-
-    def _unwatch(self, dealer: _Dealer) -> None:
-        if dealer.monitor is not None and self._monitors.pop(dealer.monitor, None):
-            if self._poller is not None:
-                self._poller.unregister(dealer.monitor)
-        _close_monitor(dealer)
+        self._zmq.watch(peer, dealer)
 
     def call_soon(self, fn: Callable, *args: Any) -> None:
         """Run ``fn(*args)`` on the I/O thread (safe from any thread)."""
@@ -575,20 +477,14 @@ class IOLoop:
         with self._dealers_lock:
             for dealer in self._dealers.values():
                 with dealer.lock:
-                    dealer.sock.close(linger=_LINGER_MS)
-                _close_monitor(dealer)
+                    dealer.sock.close(linger=LINGER_MS)
+                close_monitor(dealer)
             self._dealers.clear()
-        for _, dealer in list(self._monitors.values()):
-            _close_monitor(dealer)
-        self._monitors.clear()
-        self._router.close(linger=0)
         if self.channels is not None:
             self.channels.close()
         if self._unix is not None:
             self._unix.close()
-        if self._zap is not None:
-            self._zap.close(linger=0)
-        self._ctx.term()
+        self._zmq.close()
         local.remove_dir(self._ipc_dir)
         for fd in (self._wake_r, self._wake_w):
             try:
@@ -600,13 +496,11 @@ class IOLoop:
     def _run(self) -> None:
         self.thread_ident = threading.get_ident()
         poller = self._poller = zmq.Poller()
-        poller.register(self._router, zmq.POLLIN)
         poller.register(self._wake_r, zmq.POLLIN)
-        if self._zap is not None:
-            poller.register(self._zap, zmq.POLLIN)
+        self._zmq.start(poller)
         if self._unix is not None:
             self._unix.start(poller)
-        router, queue, monitors = self._router, self._queue, self._monitors
+        router, queue, zmq_handlers = self._zmq.router, self._queue, self._zmq.handlers
         others = self._unix.handlers if self._unix is not None else {}
         try:
             while not self._stopping:
@@ -629,15 +523,13 @@ class IOLoop:
                         pass
                 self._serve_queue()
                 if router in ready:
-                    self._recv_batch()
+                    self._zmq.recv_batch()
                 if len(ready) > (router in ready) + (self._wake_r in ready):
                     for sock, events in ready.items():
                         if sock in others:
                             others[sock](sock, events)
-                        elif sock in monitors:
-                            self._on_link_events(sock)
-                        elif sock is self._zap:
-                            self._authenticate()
+                        elif sock in zmq_handlers:  # the ZAP socket, a link monitor
+                            zmq_handlers[sock]()
                 if self._timers:
                     self._run_timers()
             self._serve_queue()  # what was queued before the stop request
@@ -665,22 +557,7 @@ class IOLoop:
                 self._unix.forget(entry)
             with entry.lock:
                 entry.sock.close(linger=linger)
-            self._unwatch(entry)
-
-    def _recv_batch(self) -> None:
-        # getsockopt, not the .rcvmore/.events properties (pyzmq resolves those
-        # through a slow __getattr__), and EVENTS rather than waiting for the
-        # zmq.Again exception that a non-blocking recv raises when empty.
-        router, getsockopt = self._router, self._router.getsockopt
-        RCVMORE, EVENTS, POLLIN = _RCVMORE, _EVENTS, _POLLIN
-        for _ in range(_RECV_BATCH):
-            if not getsockopt(EVENTS) & POLLIN:
-                return
-            router.recv()  # connection identity: unused
-            frames = []
-            while getsockopt(RCVMORE):  # the head as bytes; buffers zero-copy
-                frames.append(router.recv(copy=not frames))
-            self.deliver(frames)
+            self._zmq.unwatch(entry)
 
     def deliver(self, frames: list, via: Any = None) -> None:
         """Check and hand on one message (the I/O thread, or a channel's
@@ -759,11 +636,6 @@ class _Dealer:
         self.lock = threading.Lock()
         self.queue: deque = deque()  # (frames, nbytes)
         self.sent_msgs = self.sent_bytes = 0  # under lock
-
-
-def _close_monitor(dealer: _Dealer) -> None:
-    if dealer.monitor is not None and not dealer.monitor.closed:
-        dealer.monitor.close(linger=0)
 
 
 def _copy_frames(frames: list) -> list:
