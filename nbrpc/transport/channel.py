@@ -50,7 +50,7 @@ import time
 import weakref
 from collections.abc import Callable
 
-from .unix import CHANNEL_MAGIC, Refused, UnixReceiver, path_of
+from .unix import CHANNEL_MAGIC, Refused, UnixReceiver, path_of, stream_socket
 
 log = logging.getLogger(__name__)
 
@@ -144,7 +144,7 @@ class Channel(_End):
                  ack_timeout: float = ACK_TIMEOUT) -> None:
         self.peer, self.endpoint = peer, endpoint
         self.owner = threading.get_ident()
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock = stream_socket()
         try:
             sock.settimeout(ack_timeout)
             sock.connect(path_of(endpoint))

@@ -59,6 +59,7 @@ MAX_UNAUTHENTICATED = 64  # connections waiting to authenticate, at most
 MAX_FRAMES = 1 << 16  # frames per message (one head + one per buffer)
 MAX_QUEUED = 100_000  # messages a sender queues while its peer does not read
 _IOV_MAX = 1000  # buffers per sendmsg call (the kernel's limit is 1024)
+SEND_BUFFER = 4 << 20  # bytes a socket may hold unread (shared memory takes 2 MiB and up)
 _CHUNK = 256 << 10  # bytes read per recv for small messages
 _READ_BUDGET = 8 << 20  # bytes read from one connection per wake-up
 _COUNT = struct.Struct("<I")
@@ -74,6 +75,23 @@ class Refused(Exception):
 def path_of(endpoint: str) -> str:
     """The file path of a ``unix://`` endpoint."""
     return endpoint.removeprefix("unix://")
+
+
+def stream_socket() -> socket.socket:
+    """A Unix stream socket whose send buffer holds a message of up to
+    ``SEND_BUFFER`` bytes (the kernel caps it at ``net.core.wmem_max``), so a
+    tensor below the shared-memory threshold is written in one call, without
+    waiting for the reader's thread to make room."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    with_send_buffer(sock)
+    return sock
+
+
+def with_send_buffer(sock: socket.socket) -> None:
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER)
+    except OSError:  # (a cap is applied silently; an error only where it is unsupported)
+        pass
 
 
 def listen(path: str) -> socket.socket:
@@ -96,6 +114,7 @@ def accept(listener: socket.socket) -> socket.socket | None:
     except (BlockingIOError, InterruptedError):
         return None
     conn.setblocking(False)
+    with_send_buffer(conn)  # (it writes a channel's answers)
     try:
         _, uid, _ = _PEERCRED.unpack(
             conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size))
@@ -138,7 +157,7 @@ class UnixSender:
     def connect(self) -> bool:
         """(Re)connect; True when connected. The handshake goes first."""
         self.drop_sock()
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock = stream_socket()
         sock.setblocking(False)
         try:
             sock.connect(self.path)
