@@ -16,7 +16,7 @@ from torch import nn
 from nbrpc import autograd as dist_autograd
 from nbrpc.agent import current_agent
 from nbrpc.agent.agent import _local
-from nbrpc.errors import BackwardStageError
+from nbrpc.errors import BackwardStageError, RpcTimeoutError
 from nbrpc.nn import RemoteModule
 from nbrpc.optim import DistributedOptimizer
 from nbrpc.rpc import RRef, remote, rpc_async, rpc_sync
@@ -541,3 +541,88 @@ def test_step_mode_gradients_are_identical_to_normal_mode(group) -> None:
             seen[mode] = (dist_autograd.get_gradients(ctx)[x],
                           rpc_sync("b", grad_here, (ctx, wb)), rpc_sync("c", grad_here, (ctx, wc)))
     assert all(torch.equal(n, s) for n, s in zip(seen["normal"], seen["step"]))
+
+
+# -- the answer carries the gradients back (backward.Back) --------------------------------
+def _sent(agent, op: str, since: float) -> int:
+    return sum(1 for e in agent.events.records()
+               if e["event"] == "send" and e["op"] == op and e["time"] >= since)
+
+
+def test_a_two_worker_pass_is_one_request_and_its_answer(group) -> None:
+    """a -> b -> a: b's gradients for a and the credit ride in the answer to
+    a's Grads (was: a Grads back from b, a Credit, and two empty answers)."""
+    a, b = group[0], group[1]
+    wb = remote("b", make_param, (1, 4, 3))
+    x = make_param(0, 5, 4)
+    with dist_autograd.context() as ctx:
+        out = rpc_sync("b", tanh_mm, (x, wb))
+        since = a.events.clock()
+        dist_autograd.backward(ctx, [(out * out).sum()])
+        gx = dist_autograd.get_gradients(ctx)[x]
+        gb = rpc_sync("b", grad_here, (ctx, wb))
+    assert _sent(a, "autograd_grads", since) == 1
+    assert _sent(b, "autograd_grads", since) == 0
+    assert _sent(a, "autograd_credit", since) + _sent(b, "autograd_credit", since) == 0
+    xl, bl = local(x), local(wb.to_here())
+    (torch.tanh(xl @ bl) ** 2).sum().backward()
+    assert torch.allclose(gx, xl.grad) and torch.allclose(gb, bl.grad)
+
+
+def test_a_chain_through_a_third_worker_returns_gradients_in_answers_and_requests(group) -> None:
+    """a -> b -> c -> b -> a: c answers b (its sender) with b's gradients; b's
+    stage for them, run by its pool, sends a's as a request (b did not get
+    them from a's message), and a's stage returns the credit locally."""
+    a, b, c = group[0], group[1], group[2]
+    wb, wc = remote("b", make_param, (1, 4, 3)), remote("c", make_param, (2, 3, 2))
+    x = make_param(0, 5, 4)
+    with dist_autograd.context() as ctx:
+        out = rpc_sync("b", tanh_mm, (x, wb, "c", wc))
+        since = a.events.clock()
+        dist_autograd.backward(ctx, [(out * out).sum()])
+        gx = dist_autograd.get_gradients(ctx)[x]
+    assert [_sent(w, "autograd_grads", since) for w in (a, b, c)] == [1, 2, 0]
+    assert sum(_sent(w, "autograd_credit", since) for w in (a, b, c)) == 0
+    xl, bl, cl = local(x), local(wb.to_here()), local(wc.to_here())
+    (torch.tanh(torch.tanh(xl @ bl) @ cl) ** 2).sum().backward()
+    assert torch.allclose(gx, xl.grad)
+
+
+def test_a_late_answer_still_completes_the_pass(group) -> None:
+    b = group[1]
+    wb = remote("b", make_param, (1, 4, 3))
+    x = make_param(0, 5, 4)
+    b.faults.add("autograd_grads", "delay", delay=0.3, reply=True)
+    with dist_autograd.context() as ctx:
+        out = rpc_sync("b", tanh_mm, (x, wb))
+        dist_autograd.backward(ctx, [(out * out).sum()])
+        gx = dist_autograd.get_gradients(ctx)[x]
+    assert b.faults.fired == [("autograd_grads", "reply", "delay")]
+    xl, bl = local(x), local(wb.to_here())
+    (torch.tanh(xl @ bl) ** 2).sum().backward()
+    assert torch.allclose(gx, xl.grad)
+
+
+def test_a_lost_answer_fails_the_pass_within_the_timeout_and_the_next_one_works(group) -> None:
+    """The answer holds gradients and credit: lost, the pass cannot finish, so
+    backward fails at the call's timeout (it does not hang, nor return with a
+    gradient missing), and the agents serve the next pass."""
+    a, b = group[0], group[1]
+    wb = remote("b", make_param, (1, 4, 3))
+    x = make_param(0, 5, 4)
+    a.options.rpc_timeout = 0.5
+    try:
+        b.faults.add("autograd_grads", "drop", reply=True)
+        with dist_autograd.context() as ctx:
+            out = rpc_sync("b", tanh_mm, (x, wb))
+            with pytest.raises(RpcTimeoutError):
+                dist_autograd.backward(ctx, [(out * out).sum()])
+        with dist_autograd.context() as ctx:
+            out = rpc_sync("b", tanh_mm, (x, wb))
+            dist_autograd.backward(ctx, [(out * out).sum()])
+            gx = dist_autograd.get_gradients(ctx)[x]
+    finally:
+        a.options.rpc_timeout = 10.0
+    xl, bl = local(x), local(wb.to_here())
+    (torch.tanh(xl @ bl) ** 2).sum().backward()
+    assert torch.allclose(gx, xl.grad)
