@@ -19,17 +19,14 @@ the same name and rank. Engines that die are noticed twice: by their launcher
 from __future__ import annotations
 
 import atexit
-import concurrent.futures
 import logging
 import shutil
-import signal
-import socket
 import sys
 import tempfile
 import threading
 import time
 import weakref
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,16 +37,13 @@ from ..errors import AlreadyInitializedError, NbrpcError
 from ..transport import new_key
 from . import engine as engine_side
 from . import guard
+from .ipp import ClusterError, LoopThread, host_for_rank, kill_family, routable_ip
 from .progress import Progress, make_progress
-from .status import ClusterStatus, WorkerStatus
+from .status import ClusterStatus, WorkerStatus, fill_row
 
 log = logging.getLogger(__name__)
 
 _LOCAL_LAUNCHERS = ("fork", "local")
-
-
-class ClusterError(NbrpcError):
-    """A cluster operation failed (an engine did not start, a name is unknown, ...)."""
 
 
 @dataclass
@@ -64,53 +58,6 @@ class _Worker:
     procs: list[Any] = field(default_factory=list)  # psutil.Process of each engine launched
     agent_call: Any = None  # ipyparallel AsyncResult of start_agent
     exited: bool = False
-
-
-class _Loop:
-    """A private tornado/asyncio loop thread for ipyparallel's coroutines (stopped with us)."""
-
-    def __init__(self) -> None:
-        from tornado.ioloop import IOLoop
-
-        self.loop: Any = None
-        started = threading.Event()
-
-        def main() -> None:
-            self.loop = IOLoop(make_current=False)
-            self.loop.add_callback(started.set)
-            self.loop.start()
-            self.loop.close(all_fds=False)
-
-        self.thread = threading.Thread(target=main, name="nbrpc-cluster-loop", daemon=True)
-        self.thread.start()
-        if not started.wait(10):
-            raise ClusterError("the cluster's event loop thread did not start")
-
-    def run(self, fn: Callable[..., Coroutine], *args: Any, timeout: float = 60.0,
-            **kwargs: Any) -> Any:
-        """Run ``await fn(*args, **kwargs)`` on the loop; wait (bounded, interruptibly)."""
-        fut: concurrent.futures.Future = concurrent.futures.Future()
-
-        async def call() -> None:
-            try:
-                fut.set_result(await fn(*args, **kwargs))
-            except BaseException as e:  # noqa: BLE001 - handed to the caller
-                fut.set_exception(e)
-
-        self.loop.add_callback(call)
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                return fut.result(timeout=0.1)
-            except concurrent.futures.TimeoutError:
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"{getattr(fn, '__name__', fn)} did not finish "
-                                       f"within {timeout:g} s") from None
-
-    def stop(self, timeout: float = 5.0) -> None:
-        if self.loop is not None and self.thread.is_alive():
-            self.loop.add_callback(self.loop.stop)
-            self.thread.join(timeout)
 
 
 class Cluster:
@@ -179,7 +126,7 @@ class Cluster:
             raise ValueError(f"failure_timeout must be >= twice heartbeat ({2 * self.heartbeat:g}"
                              f" s), got {failure_timeout!r}")
         self.controller_ip = controller_ip
-        self.host = host or ("127.0.0.1" if self._local else _routable_ip())
+        self.host = host or ("127.0.0.1" if self._local else routable_ip())
         self.progress = progress
         self._profile_dir = profile_dir
         self._own_profile = False
@@ -188,7 +135,7 @@ class Cluster:
         self.client: Any = None
         self.state = "stopped"
         self._ipp: Any = None
-        self._loop: _Loop | None = None
+        self._loop: LoopThread | None = None
         self._zygote: Any = None
         self._controller_proc: Any = None
         self._used: set[Any] = set()  # identities of every engine ever given a worker
@@ -256,7 +203,7 @@ class Cluster:
         if self._profile_dir is None:
             self._profile_dir = tempfile.mkdtemp(prefix="nbrpc-cluster-")
             self._own_profile = True
-        self._loop = _Loop()
+        self._loop = LoopThread()
         engines: Any = self.launcher
         if self.launcher == "fork":
             from .launcher import ForkEngineSetLauncher
@@ -300,7 +247,7 @@ class Cluster:
         kwargs.update(environment=env, engine_args=args)
         engines = kwargs.get("engines")
         if isinstance(engines, dict) and engines:  # ssh: this worker's host only
-            kwargs["engines"] = _host_for_rank(engines, w.rank)
+            kwargs["engines"] = host_for_rank(engines, w.rank)
         if self._local:
             kwargs.setdefault("stop_seconds_until_kill", 2)
             kwargs.setdefault("stop_timeout", 5)
@@ -463,7 +410,7 @@ class Cluster:
                 self._loop.run(self._ipp.stop_engines, w.engine_set, timeout=10)
             except Exception as e:  # noqa: BLE001 - force below
                 log.warning("stopping the engine of %r: %s", w.name, e)
-        _kill(w.procs)
+        kill_family(w.procs)
         w.procs.clear()
 
     def stop(self, timeout: float = 10.0) -> None:
@@ -482,7 +429,7 @@ class Cluster:
                     self._ipp.stop_engines, timeout=_left(deadline))),
                 # an engine that outlived its stop (frozen, wedged) is killed now: until
                 # it exits, ipyparallel's launcher blocks the loop thread in a join
-                ("engines left", lambda: _kill([p for w in self.workers.values()
+                ("engines left", lambda: kill_family([p for w in self.workers.values()
                                                 for p in w.procs])),
                 ("controller", lambda: self._loop and self._ipp and self._loop.run(
                     self._ipp.stop_controller, timeout=_left(deadline))),
@@ -497,7 +444,7 @@ class Cluster:
             procs = [p for w in self.workers.values() for p in w.procs]
             if self._controller_proc is not None:
                 procs.append(self._controller_proc)
-            _kill(procs)
+            kill_family(procs)
             self._forget_ipp()
             if self._loop is not None:
                 self._loop.stop()
@@ -568,7 +515,7 @@ class Cluster:
             row.detail = f"{type(e).__name__}: {e}"
             return row
         row.state = "busy" if info["busy_threads"] or info["in_flight"] else "ready"
-        _fill(row, info)
+        fill_row(row, info)
         return row
 
     def view(self, name: str) -> Any:
@@ -630,16 +577,7 @@ def _stop_all() -> None:
 
 def _driver_row(agent: Agent) -> WorkerStatus:
     row = WorkerStatus("driver", 0, state="ready", threads=agent.options.num_worker_threads)
-    return _fill(row, engine_side.describe(agent))
-
-
-def _fill(row: WorkerStatus, info: dict[str, Any]) -> WorkerStatus:
-    """Copy a probe's counters into a status row (pid and host too, when given)."""
-    for key in ("busy_threads", "in_flight", "owned_rrefs", "owned_bytes", "messages",
-                "bytes_moved", "pid", "host"):
-        if info.get(key) is not None:
-            setattr(row, key, info[key])
-    return row
+    return fill_row(row, engine_side.describe(agent))
 
 
 def _check_count(n: Any, what: str) -> int:
@@ -650,55 +588,3 @@ def _check_count(n: Any, what: str) -> int:
 
 def _left(deadline: float) -> float:
     return max(0.5, deadline - time.monotonic())
-
-
-def _kill(procs: list[Any]) -> None:
-    """SIGKILL the processes we started that are still alive, and their children
-    (the controller's heart monitor), collected first: once a parent dies they
-    are re-parented. ``psutil.Process`` checks the creation time too, so a
-    recycled pid is never hit."""
-    import psutil
-
-    family: list[Any] = []
-    for p in procs:
-        try:
-            if p.is_running():
-                family += p.children(recursive=True)
-        except (psutil.NoSuchProcess, psutil.AccessDenied):
-            pass
-        family.append(p)
-    for p in family:
-        try:
-            if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
-                p.send_signal(signal.SIGKILL)
-        except (psutil.NoSuchProcess, psutil.AccessDenied):
-            pass
-
-
-def _host_for_rank(engines: dict[str, Any], rank: int) -> dict[str, Any]:
-    """An ssh ``engines`` option ({host: count} or {host: {"n": count, ...}}) narrowed
-    to worker ``rank``'s host, the rank-th slot round robin: each worker is an
-    engine set of one, and ipyparallel would otherwise always take the first host.
-
-    >>> [_host_for_rank({"a": 2, "b": {"n": 1, "ssh_args": []}}, r) for r in (1, 2, 3, 4)]
-    [{'a': 1}, {'a': 1}, {'b': {'n': 1, 'ssh_args': []}}, {'a': 1}]
-    """
-    slots: list[str] = []
-    for host, spec in engines.items():
-        slots += [host] * int(spec.get("n", 1) if isinstance(spec, dict) else spec)
-    if not slots:
-        raise ClusterError(f"launcher option engines={engines!r} names no engine slots")
-    host = slots[(rank - 1) % len(slots)]
-    spec = engines[host]
-    return {host: {**spec, "n": 1} if isinstance(spec, dict) else 1}
-
-
-def _routable_ip() -> str:
-    """This host's address that other hosts can reach (for non-local launchers)."""
-    try:
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-            s.connect(("10.255.255.255", 9))  # no packet is sent
-            return s.getsockname()[0]
-    except OSError:
-        return socket.gethostbyname(socket.gethostname())
-

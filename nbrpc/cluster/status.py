@@ -89,3 +89,12 @@ class ClusterStatus:
 
     def _repr_pretty_(self, p: Any, cycle: bool) -> None:
         p.text(str(self))
+
+
+def fill_row(row: WorkerStatus, info: dict[str, Any]) -> WorkerStatus:
+    """Copy a probe's counters into a status row (pid and host too, when given)."""
+    for key in ("busy_threads", "in_flight", "owned_rrefs", "owned_bytes", "messages",
+                "bytes_moved", "pid", "host"):
+        if info.get(key) is not None:
+            setattr(row, key, info[key])
+    return row
