@@ -41,6 +41,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from fractions import Fraction
+from functools import partial
 from typing import Any
 
 import torch
@@ -277,16 +278,14 @@ def forward(agent: Agent, ctx: AutogradContext, pass_id: tuple[int, int],
     shares = split(credit, len(outbox)) if outbox else []
     back = [(o.msg_id, o.grads, c) for o, c in zip(outbox, shares) if o.peer == sender]
     sends = [(o, c) for o, c in zip(outbox, shares) if o.peer != sender]
-    fold = sender is not None and sender == pass_id[0]
-    returned = Fraction(0)
-    if not outbox or blocked:  # the initiator must hear of blocked nodes
-        returned = credit if not outbox else Fraction(0)
-        if not fold:
-            give_back(agent, ctx.id, pass_id, returned, blocked)
+    fold = sender is not None and sender == pass_id[0]  # the answer reaches the initiator
+    returned = Fraction(0) if outbox else credit
+    if (returned or blocked) and not fold:  # the initiator must hear of blocked nodes
+        give_back(agent, ctx.id, pass_id, returned, blocked)
     for out, share in sends:
         msg = Grads(ctx.id, pass_id, out.msg_id, out.grads, retain_graph, credit=share)
         send_part(agent, ctx, pass_id, out.peer, msg, share)
-    if fold and (back or returned or blocked):
+    if fold and (returned or blocked):
         return Back(tuple(back), returned, blocked)
     return Back(tuple(back)) if back else None
 
@@ -316,20 +315,22 @@ def take_back(agent: Agent, ctx: AutogradContext, pass_id: tuple[int, int], peer
         if waiter is not None:
             waiter.give_back(back.credit, peer, back.blocked)
     for msg_id, grads, share in back.grads:
-        def run(msg_id: int = msg_id, grads: list = grads, share: Fraction = share) -> None:
-            lp = ctx.new_pass(agent.name, pass_id, retain_graph)
-            trigger = f"grads for send #{msg_id & 0xFFFF} from {agent.peer_name(peer)}"
-            try:
-                data, outbox = run_stage(agent, ctx, lp, trigger,
-                                         lambda p: p.receive(msg_id, grads))
-            except Exception as e:
-                give_back(agent, ctx.id, pass_id, share, False, e)
-                return
-            forward(agent, ctx, pass_id, outbox, retain_graph, share, bool(data["blocked"]))
+        msg = Grads(ctx.id, pass_id, msg_id, grads, retain_graph, credit=share)
+        run = partial(_run_grads, agent, ctx, msg, peer, None)
         if waiter is not None:
             waiter.post(run)
         else:
             agent.pool.submit(run)
+
+
+def _run_grads(agent: Agent, ctx: AutogradContext, msg: Grads, origin: int,
+               sender: int | None) -> Any:
+    """The stage for gradients from ``origin`` (a request from ``sender``, or
+    an answer: ``sender`` None, nothing to answer)."""
+    lp = ctx.new_pass(agent.name, msg.pass_id, msg.retain_graph, norms=msg.step)
+    trigger = f"grads for send #{msg.msg_id & 0xFFFF} from {agent.peer_name(origin)}"
+    return _serve_stage(agent, ctx, lp, msg, trigger,
+                        lambda p: p.receive(msg.msg_id, msg.grads), sender)
 
 
 def _serve_stage(agent: Agent, ctx: AutogradContext, lp: LocalPass, msg: Grads | Flush,
@@ -351,12 +352,8 @@ def _serve_stage(agent: Agent, ctx: AutogradContext, lp: LocalPass, msg: Grads |
 
 def handle_grads(msg: Grads, sender: int) -> Any:
     agent = _agent()
-    ctx = contexts_of(agent).get(msg.ctx_id)
-    lp = ctx.new_pass(agent.name, msg.pass_id, msg.retain_graph, norms=msg.step)
     origin = sender if msg.origin is None else msg.origin
-    trigger = f"grads for send #{msg.msg_id & 0xFFFF} from {agent.peer_name(origin)}"
-    return _serve_stage(agent, ctx, lp, msg, trigger,
-                        lambda p: p.receive(msg.msg_id, msg.grads), sender)
+    return _run_grads(agent, contexts_of(agent).get(msg.ctx_id), msg, origin, sender)
 
 
 def handle_flush(msg: Flush, sender: int) -> Any:
@@ -366,10 +363,8 @@ def handle_flush(msg: Flush, sender: int) -> Any:
     if lp is None or not lp.blocked():
         if msg.step:
             return None
-        if sender == msg.pass_id[0]:
-            return Back(credit=msg.credit)
-        give_back(agent, ctx.id, msg.pass_id, msg.credit, False)
-        return None
+        return forward(agent, ctx, msg.pass_id, [], msg.retain_graph, msg.credit, False,
+                       sender=sender)  # nothing to run: the credit goes back
     return _serve_stage(agent, ctx, lp, msg, "flush", lambda p: None, sender)
 
 
