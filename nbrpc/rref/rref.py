@@ -141,10 +141,10 @@ class RRef(Generic[T]):
     def _state(self) -> str:
         if self.is_owner():
             return "owner"
+        if self._owner not in self._agent.members:  # before the gone hook drops the fork
+            return "owner-gone"
         user = self._ctx.state.users.get(self._fork)
-        if user is None:
-            return "released" if self._owner in self._agent.members else "owner-gone"
-        return user.state
+        return "released" if user is None else user.state
 
     def _check_owner(self) -> None:
         """Fail at once, saying so, if the owner died or left."""
