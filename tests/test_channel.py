@@ -209,3 +209,80 @@ def test_a_channel_without_the_key_is_refused_and_a_forged_message_dropped(pair)
         write_all(s, frames)
         assert poll_for(lambda: b.io.dropped["bad signature"] == 1)
     assert a.rpc_sync(1, operator.pos, (3,)) == 3
+
+
+# -- requests nobody waits for yet: queued, written in batches -----------------------------
+def _hold_io_flushes(a, monkeypatch) -> None:
+    """The I/O thread's flush of deferred requests does nothing from now on:
+    only the calling thread's own writes send them."""
+    monkeypatch.setattr(a.io, "_flush_due", lambda dealer: None)
+
+
+def test_waiting_on_an_async_call_writes_its_request_on_the_waiting_thread(
+        pair, monkeypatch) -> None:
+    a, b = pair
+    assert a.rpc_async(1, operator.pos, (1,)).wait() == 1  # (the connection is up)
+    _hold_io_flushes(a, monkeypatch)
+    fut = a.rpc_async(1, operator.neg, (3,))
+    assert fut.unsent is not None and a.io._dealers[1].queue  # queued, not written
+    assert fut.wait() == -3  # wait() wrote it (the I/O thread would not have)
+    assert not a.io._dealers[1].queue
+
+
+def test_a_channel_call_first_writes_what_this_thread_queued_for_that_peer(
+        pair, monkeypatch) -> None:
+    a, b = pair
+    assert a.rpc_sync(1, operator.pos, (1,)) == 1
+    _hold_io_flushes(a, monkeypatch)
+    fut = a.rpc_async(1, operator.neg, (5,))
+    assert a.rpc_sync(1, operator.pos, (2,)) == 2  # on the channel, after the queued one
+    assert poll_for(fut.done, 5) and fut.wait() == -5
+
+
+def test_to_here_right_after_remote_takes_the_creation_along_on_its_channel(
+        pair, monkeypatch) -> None:
+    from nbrpc.rref import remote
+    a, b = pair
+    _hold_io_flushes(a, monkeypatch)  # (else the I/O thread may write it first)
+    r = remote(a, "b", _thread_name, (), {}, -1)
+    assert r.to_here() == "nbrpc-io[b]-channel"  # created on the channel's thread
+    assert r.confirmed_by_owner()  # the creation's answer came first, on the same channel
+    assert a.io.channel(1).due == 0 and not a.io._dealers[1].queue
+    monkeypatch.undo()
+    a.io._dealers[1].flush_due = False
+    later = remote(a, "b", _thread_name, (), {}, -1)
+    assert poll_for(later.confirmed_by_owner, 5)  # the I/O thread wrote it meanwhile
+    assert later.to_here().startswith("nbrpc-worker[b]")  # created on the pool
+
+
+def _fails() -> None:
+    raise ValueError("no value")
+
+
+def test_a_failed_creation_taken_along_fails_to_here(pair, monkeypatch) -> None:
+    from nbrpc.rref import remote
+    a, b = pair
+    _hold_io_flushes(a, monkeypatch)
+    r = remote(a, "b", _fails, (), {}, -1)
+    with pytest.raises(ValueError, match="no value"):
+        r.to_here()
+    assert r.confirmed_by_owner()  # the owner keeps the error as the value (as PyTorch)
+    with pytest.raises(ValueError, match="no value"):
+        r.to_here()
+    assert a.rpc_sync(1, operator.pos, (4,)) == 4  # the channel is in step
+
+
+def test_a_timed_out_to_here_with_its_creation_along_loses_neither_answer(
+        pair, monkeypatch) -> None:
+    """Both answers were due on the channel when its thread stopped reading:
+    the I/O thread reads both, then closes it."""
+    from nbrpc.rref import remote
+    a, b = pair
+    _hold_io_flushes(a, monkeypatch)
+    r = remote(a, "b", _sleep_then, (0.5, 3), {}, -1)
+    with pytest.raises(RpcTimeoutError):
+        r.to_here(timeout=0.2)
+    assert poll_for(r.confirmed_by_owner, 5)  # the creation's answer
+    assert poll_for(lambda: a.late_replies == 1, 5)  # and the fetch's, late
+    assert poll_for(lambda: _served(b) == 0, 5)  # then the channel closed
+    assert r.to_here() == 3

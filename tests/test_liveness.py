@@ -172,7 +172,7 @@ def test_an_unpicklable_result_names_the_worker_and_the_type(trio) -> None:
 
 def test_drops_are_counted_by_reason_and_logged_once_per_interval(trio, caplog) -> None:
     a, b, _ = trio
-    caplog.set_level(logging.WARNING, logger="nbrpc.transport.io")
+    caplog.set_level(logging.WARNING, logger="nbrpc.transport.drops")
     with intruder(b.address, b._key) as s:  # past the handshake, but signing with another key
         for i in range(50):
             s.send_multipart(pack(new_key(), 1, 0, i, b"x"))

@@ -90,6 +90,47 @@ def test_a_message_larger_than_the_socket_buffer_waits_for_the_io_thread(link) -
     assert not sender.pending
 
 
+def test_messages_queued_together_go_in_one_write(link, monkeypatch) -> None:
+    """``more=True`` only queues; the last message writes them all in one sendmsg."""
+    sender, receiver, _ = link
+    calls: list[int] = []
+    real = sender.sock
+
+    class Counting:  # socket methods cannot be patched on the object itself
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        def sendmsg(self, buffers):
+            calls.append(len(buffers))
+            return real.sendmsg(buffers)
+
+    monkeypatch.setattr(sender, "sock", Counting())
+    for i in range(9):
+        sender.send_multipart([b"m%d" % i, bytes([i]) * i], more=True)
+    assert not calls and sender.pending  # nothing written yet
+    sender.send_multipart([b"m9", b""])
+    assert len(calls) == 1 and not sender.pending
+    got = _read_all(receiver, 10)
+    assert [bytes(m[0]) for m in got] == [b"m%d" % i for i in range(10)]
+    assert [bytes(m[1]) for m in got[:9]] == [bytes([i]) * i for i in range(9)]
+
+
+def test_a_batch_larger_than_the_socket_buffer_is_cut_between_writes_and_arrives_whole(
+        link) -> None:
+    """A write that the kernel cuts short ends anywhere in the batch; the rest
+    waits for the I/O thread and the stream stays in step."""
+    sender, receiver, wants = link
+    room = sender.sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF)
+    parts = [os.urandom(room // 3 + i) for i in range(8)]  # ~2.7 buffers in all
+    for i, p in enumerate(parts):
+        sender.send_multipart([b"h%d" % i, p], more=i < len(parts) - 1)
+    assert wants and sender.pending  # cut short: the I/O thread goes on
+    sender.send_multipart([b"more"])  # queued behind (no write while blocked)
+    got = _read_all(receiver, len(parts) + 1, sender)
+    assert [bytes(m[1]) for m in got[:-1]] == parts and bytes(got[-1][0]) == b"more"
+    assert not sender.pending
+
+
 def test_a_message_above_the_maximum_is_skipped_and_the_stream_stays_in_step(link) -> None:
     sender, receiver, _ = link
     sender.send_multipart([b"a"])
@@ -166,6 +207,36 @@ def test_loop_delivers_tensors_sized_buffers_and_counts_too_large() -> None:
         assert bytes(got[0].buffers[0]) == big and got[1].msg_id == 3
         assert b.dropped["too large"] == 1
         assert isinstance(a._dealers[1].sock, UnixSender)
+
+
+def test_deferred_messages_wait_for_the_io_thread_and_go_in_order(monkeypatch) -> None:
+    """``send(defer=True)`` queues and has the I/O thread write what queued by
+    then; ``flush_to`` writes at once; ``take_queued`` takes back only the
+    last message, and only while it is unsent."""
+    with _pair() as (a, b, got):
+        a.send(1, 0, 1, b"opens the connection")
+        assert poll_for(lambda: got, timeout=5)
+        dealer = a._dealers[1]
+        due: list = []
+        monkeypatch.setattr(a, "_flush_due", due.append)  # the I/O thread's flush, held
+        for i in range(2, 7):
+            a.send(1, 0, i, b"deferred", defer=True)
+        assert [e[2] for e in dealer.queue] == [2, 3, 4, 5, 6] and len(got) == 1
+        assert poll_for(lambda: due == [dealer], timeout=5)  # one flush for all five
+        assert a.take_queued(1, 5) is None  # not the last one
+        frames = a.take_queued(1, 6)
+        assert frames is not None and unpack(a._key, frames).msg_id == 6
+        a.flush_to(1)  # on this thread
+        assert not dealer.queue
+        assert poll_for(lambda: len(got) == 5, timeout=5)
+        assert [e.msg_id for e in got] == [1, 2, 3, 4, 5]
+        assert a.take_queued(1, 5) is None  # sent already
+        a.send_frames(1, frames)  # a message taken back can still go the usual way
+        monkeypatch.undo()
+        dealer.flush_due = False
+        a.send(1, 0, 7, b"deferred", defer=True)  # the I/O thread writes it
+        assert poll_for(lambda: len(got) == 7, timeout=5)
+        assert [e.msg_id for e in got[5:]] == [6, 7]
 
 
 def test_loop_refuses_a_connection_that_never_authenticates(monkeypatch) -> None:

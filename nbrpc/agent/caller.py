@@ -57,7 +57,8 @@ class Caller:
     def request(self, to: Any, msg: Any, timeout: float = -1.0, inline: bool = False,
                 keep: Any = None,
                 then: Callable[[Any, BaseException | None], None] | None = None,
-                tagged: bool = False, sync: bool = False) -> RpcFuture:
+                tagged: bool = False, sync: bool = False,
+                along: int | None = None) -> RpcFuture:
         """Send a typed request; the future completes with the handler's answer.
         ``inline``: the handler runs on the receiver's I/O thread (protocol
         bookkeeping, or a handler that only looks up a future: it must never
@@ -68,7 +69,10 @@ class Caller:
         in between), so it may go over the thread's own channel and the
         thread reads the answer itself; the callee then runs the handler on
         that channel's thread, so an ``inline`` one must be thread-safe
-        (``rref_fetch`` is: the RRef state has its lock)."""
+        (``rref_fetch`` is: the RRef state has its lock). ``along``: the id of
+        a request to the same peer that may still be queued (deferred): if it
+        is, it goes first on the same channel (``to_here`` right after
+        ``remote``: both run on the callee's channel thread, in order)."""
         if self.state not in ("ready", "stopping"):
             raise ShutdownError(f"agent {self.name!r} is {self.state}; it takes no new calls")
         peer = self.resolve(to).rank
@@ -79,11 +83,13 @@ class Caller:
             self.propagator.sent(tag, peer)
         p = Pending(RpcFuture(self._io_ident), peer, msg.op, time.perf_counter(), None,
                      keep, then)
-        self._send_request(p, msg, tag, timeout, INLINE if inline else REQUEST, sync=sync)
+        self._send_request(p, msg, tag, timeout, INLINE if inline else REQUEST, sync=sync,
+                           along=along)
         return p.future
 
     def _send_request(self, p: Pending, msg: Any, tag: Any, timeout: float, kind: int,
-                      may_resend: bool = True, sync: bool = False) -> None:
+                      may_resend: bool = True, sync: bool = False,
+                      along: int | None = None) -> None:
         peer = p.peer
         wire = Wire(self, peer, tag, refs_ok=True)
         payload, buffers = dumps(msg if tag is None else (_Tag(tag), msg), wire)
@@ -96,16 +102,27 @@ class Caller:
             p.timer = self.io.call_later(timeout, self._expire, mid, timeout)
         with self._lock:
             self._sent[peer] += 1
+        first = None  # the queued request ``along``, taken back: not yet handed to a write
         try:
             fault = self.faults.take(msg.op, False) if self.faults.rules else None
+            if sync and along is not None and fault is None:
+                first = self.io.take_queued(peer, along)  # (before the I/O thread writes it)
             chan = self.io.channel(peer) if sync and fault is None else None
             if chan is not None:
-                nbytes = self._send_on(chan, p, timeout, kind, mid, payload, buffers)
-            elif fault is None:
-                nbytes = self.io.send(peer, kind, mid, payload, buffers)
+                first, taken = None, first
+                nbytes = self._send_on(chan, p, timeout, kind, mid, payload, buffers, taken)
+            elif fault is None:  # (a request nobody waits for yet is written in batches)
+                if first is not None:
+                    first, taken = None, first
+                    self.io.send_frames(peer, taken)
+                nbytes = self.io.send(peer, kind, mid, payload, buffers, defer=not sync)
+                if not sync:
+                    p.future.msg_id, p.future.unsent = mid, partial(self.io.flush_to, peer)
             else:
                 nbytes = self._inject(fault, peer, kind, mid, payload, buffers)
         except BaseException:  # nothing left: no pending entry, no count, no timer
+            if first is not None:  # (Ctrl-C while the channel opened) it still goes
+                self.io.send_frames(peer, first)
             self._pending.pop(mid, None)
             if p.timer is not None:
                 self.io.cancel(p.timer)
@@ -116,15 +133,19 @@ class Caller:
         self.events.add("send", msg.op, self.peer_name(peer), mid, nbytes, None, _what(msg))
 
     def _send_on(self, chan: Channel, p: Pending, timeout: float, kind: int, mid: int,
-                 payload: bytes, buffers: list) -> int:
-        """Write the request on this thread's channel; the future's ``wait()``
-        then reads the answer here (:meth:`_read_channel`). A channel that
-        fails is dropped and the request goes the usual way (a message cut
-        short on it is never read)."""
+                 payload: bytes, buffers: list, first: list | None = None) -> int:
+        """Write the request on this thread's channel, after ``first`` (a
+        queued request taken back); the future's ``wait()`` then reads the
+        answers here (:meth:`_read_channel`). A channel that fails is dropped
+        and what did not go on it goes the usual way (a message cut short on
+        it is never read)."""
+        self.io.flush_to(p.peer)  # what this thread queued before goes first
         try:
-            nbytes = self.io.send(p.peer, kind, mid, payload, buffers, via=chan)
-        except ChannelClosed:
+            nbytes = self.io.send(p.peer, kind, mid, payload, buffers, via=chan, first=first)
+        except ChannelClosed as e:
             self.io.channels.forget(chan)
+            if first is not None and not e.first_written:
+                self.io.send_frames(p.peer, first)
             return self.io.send(p.peer, kind, mid, payload, buffers)
         deadline = time.monotonic() + timeout if timeout > 0 else float("inf")
         p.future.pump = partial(self._read_channel, chan, deadline)

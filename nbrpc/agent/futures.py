@@ -42,6 +42,11 @@ class RpcFuture(torch.futures.Future):
         self.has_callbacks = False  # then the agent completes it on a pool thread
         # pump(self): reads the answer on the waiting thread (its own channel)
         self.pump: Callable[[RpcFuture], None] | None = None
+        # the request was queued, not written (nobody waited yet): its id, and
+        # what writes it at once, which wait() calls rather than wait for the
+        # I/O thread to (see IOLoop.send's ``defer``)
+        self.msg_id: int | None = None
+        self.unsent: Callable[[], None] | None = None
 
     def then(self, callback: Callable[[torch.futures.Future], Any]) -> torch.futures.Future:
         self.has_callbacks = True
@@ -53,6 +58,9 @@ class RpcFuture(torch.futures.Future):
 
     def wait(self) -> Any:
         if not self.done():
+            unsent, self.unsent = self.unsent, None
+            if unsent is not None:
+                unsent()
             if self.pump is not None:
                 self.pump(self)
                 if self.done():

@@ -107,7 +107,8 @@ class RRef(Generic[T]):
     >>> shutdown()
     """
 
-    __slots__ = ("_agent", "_ctx", "_id", "_fork", "_owner", "_site", "_attrs", "__weakref__")
+    __slots__ = ("_agent", "_ctx", "_id", "_fork", "_owner", "_site", "_attrs", "_creation",
+                 "__weakref__")
 
     def __init__(self, value: T, type_hint: Any = None) -> None:
         agent = current_agent("RRef(value)")
@@ -128,6 +129,7 @@ class RRef(Generic[T]):
         ctx: RRefContext = agent.ext["rref"]
         self._agent, self._ctx, self._owner, self._site, self._id = agent, ctx, owner, site, rref_id
         self._attrs: set[str] = set()  # names the value is known to have (remote() proxy)
+        self._creation: Any = None  # remote()'s request, until to_here() looked at it
         ctx.live.add(self)
         if owner == agent.rank:
             self._fork = None
@@ -196,9 +198,15 @@ class RRef(Generic[T]):
         # The owner answers on its I/O thread (``inline``): its handler only
         # looks up the value's future, so a ready value costs no hand-off to a
         # worker thread there; it still carries the autograd context.
+        # Right after remote() on this thread, its request may still be queued
+        # (deferred): then it goes first on the same channel (``along``) and the
+        # owner's channel thread creates the value and answers both, in order.
         pending = self._state() == PENDING
+        creation, self._creation = self._creation, None
+        along = creation.msg_id if pending and creation is not None else None
         return agent.request(self._owner, Fetch(self._id, pending, timeout), timeout,
-                             keep=self, inline=True, tagged=True, sync=True).wait()
+                             keep=self, inline=True, tagged=True, sync=True,
+                             along=along).wait()
 
     # -- proxies -----------------------------------------------------------------
     def rpc_sync(self, timeout: float = -1.0) -> Any:
@@ -424,7 +432,7 @@ def remote(agent: Agent, to: Any, fn: Any, args: tuple, kwargs: dict, timeout: f
     msg = Remote(fn, tuple(args), dict(kwargs), rref._id, rref._fork, rref._site)
     then = None if rref._fork is None else ctx.creation_hook(rref._id, rref._fork, owner)
     try:
-        agent.request(owner, msg, timeout, keep=keep, then=then)
+        rref._creation = agent.request(owner, msg, timeout, keep=keep, then=then)
     except BaseException:
         if rref._fork is not None:  # never sent: nothing to delete on the owner
             ctx.send(ctx.state.on_failed(rref._fork))

@@ -65,19 +65,47 @@ _IOV_MAX = 1000
 
 
 class ChannelClosed(Exception):
-    """The connection is gone (the peer closed it, or a write timed out)."""
+    """The connection is gone (the peer closed it, or a write timed out).
+    ``written``: bytes of the failed write that went before it failed."""
+
+    def __init__(self, why: str, written: int = 0) -> None:
+        super().__init__(why)
+        self.written = written
+        self.first_written = False
 
 
-def write_all(sock: socket.socket, frames: list, timeout: float = WRITE_TIMEOUT) -> int:
-    """Write one message (``unix`` framing: count, lengths, frames) on a
-    non-blocking socket, waiting for room at most ``timeout`` s in all;
-    returns the bytes written. Raises :class:`ChannelClosed` on failure (the
-    stream is then out of step: the caller must close it)."""
+def _framed(frames: list) -> list[memoryview]:
+    """One message in ``unix`` framing: count, lengths, frames."""
     views = [memoryview(f).cast("B") for f in frames]
     n = len(views)
-    head = struct.pack(f"<I{n}Q", n, *[v.nbytes for v in views])
-    views.insert(0, memoryview(head))
+    return [memoryview(struct.pack(f"<I{n}Q", n, *[v.nbytes for v in views])), *views]
+
+
+def write_all(sock: socket.socket, frames: list, timeout: float = WRITE_TIMEOUT,
+              first: list | None = None) -> int:
+    """Write one message (``unix`` framing), after ``first`` if given (both
+    in one system call where they fit), on a non-blocking socket, waiting for
+    room at most ``timeout`` s in all; returns the bytes written. Raises
+    :class:`ChannelClosed` on failure (the stream is then out of step: the
+    caller must close it); its ``first_written`` says whether ``first`` went
+    whole (and will be read)."""
+    views = _framed(frames)
+    before = 0
+    if first is not None:
+        ahead = _framed(first)
+        before = sum(v.nbytes for v in ahead)
+        views = ahead + views
     total = sum(v.nbytes for v in views)
+    try:
+        _write_views(sock, views, timeout)
+    except ChannelClosed as e:
+        e.first_written = first is not None and e.written >= before
+        raise
+    return total
+
+
+def _write_views(sock: socket.socket, views: list, timeout: float) -> None:
+    written = 0
     deadline = None
     poller = None
     while views:
@@ -86,7 +114,8 @@ def write_all(sock: socket.socket, frames: list, timeout: float = WRITE_TIMEOUT)
         except (BlockingIOError, InterruptedError):
             sent = 0
         except OSError as e:
-            raise ChannelClosed(f"write failed: {e}") from e
+            raise ChannelClosed(f"write failed: {e}", written) from e
+        written += sent
         while views and sent >= views[0].nbytes:  # (empty frames too: shared memory)
             sent -= views.pop(0).nbytes
         if sent:
@@ -99,11 +128,10 @@ def write_all(sock: socket.socket, frames: list, timeout: float = WRITE_TIMEOUT)
             poller.register(sock, _POLLOUT)
         left = deadline - time.monotonic()
         if left <= 0:
-            raise ChannelClosed(f"the reader took nothing for {timeout:g} s")
+            raise ChannelClosed(f"the reader took nothing for {timeout:g} s", written)
         events = poller.poll(min(left, 1.0) * 1000)
         if events and events[0][1] & _POLLERR:
-            raise ChannelClosed("the reader closed the connection")
-    return total
+            raise ChannelClosed("the reader closed the connection", written)
 
 
 class _End:
@@ -113,17 +141,18 @@ class _End:
         self.sock, self.lock, self.closed = sock, threading.Lock(), False
         self.sent_msgs = self.sent_bytes = 0
 
-    def write(self, frames: list) -> int:
-        """Write one message; raises :class:`ChannelClosed` (and closes) on failure."""
+    def write(self, frames: list, first: list | None = None) -> int:
+        """Write one message, after ``first`` if given (see :func:`write_all`);
+        raises :class:`ChannelClosed` (and closes) on failure."""
         with self.lock:
             if self.closed:
                 raise ChannelClosed("the channel is closed")
             try:
-                n = write_all(self.sock, frames)
+                n = write_all(self.sock, frames, first=first)
             except ChannelClosed:
                 self.close()
                 raise
-            self.sent_msgs += 1
+            self.sent_msgs += 1 if first is None else 2
             self.sent_bytes += n
             return n
 
@@ -161,6 +190,17 @@ class Channel(_End):
         self.receiver = UnixReceiver(sock, token, max_size, authenticated=True)
         self._poller = select.poll()
         self._poller.register(sock, _POLLIN)
+        self.due = 0  # answers still to come (requests written minus answers read)
+
+    def write(self, frames: list, first: list | None = None) -> int:
+        """Write one request, after ``first`` (their answers are then due here)."""
+        try:
+            n = super().write(frames, first)
+        except ChannelClosed as e:
+            self.due += e.first_written
+            raise
+        self.due += 1 if first is None else 2
+        return n
 
     def read(self, timeout: float) -> tuple[list[list], bool]:
         """Wait up to ``timeout`` s for data; (the messages complete now,
@@ -170,12 +210,16 @@ class Channel(_End):
             return [], True
         if not self._poller.poll(timeout * 1000):
             return [], False
-        return self.receiver.read()
+        messages, closed = self.receiver.read()
+        self.due -= len(messages)
+        return messages, closed
 
     def detach(self) -> UnixReceiver:
-        """Hand the connection over (to the loop, which reads it from now on)."""
+        """Hand the connection over (to the loop, which reads it from now on,
+        until the answers still due have come)."""
         self._finalizer.detach()
         self.closed = True
+        self.receiver.due = self.due
         return self.receiver
 
     def close(self) -> None:
@@ -273,7 +317,7 @@ class Channels:
         mine = getattr(self._tls, "by_peer", {})
         if mine.get(chan.peer) is chan:
             del mine[chan.peer]
-        if adopt and not chan.closed:
+        if adopt and not chan.closed and chan.due > 0:
             self._adopt(chan.detach())
         else:
             chan.close()

@@ -11,7 +11,11 @@ writes it from the calling thread under that peer's lock: zmq's own I/O
 thread does the network work, and a call costs no thread hand-off. Measured
 here, a hand-off between two Python threads costs ~35 us (a SimpleQueue
 ping-pong takes 70 us), and queueing sends through the I/O thread put two
-of them on every round trip.
+of them on every round trip. A request nobody waits for yet (``rpc_async``,
+``remote``) is the exception: it is queued (``defer``) and the I/O thread
+writes what has queued by then in one system call, unless the caller's
+``wait()`` writes it first (:mod:`.dealer`); a burst of 64 async calls
+costs the caller a fraction of the writes.
 
 Other threads hand work to the I/O thread through :meth:`IOLoop.call_soon`,
 which appends to a deque and wakes the loop through a pipe only when it may
@@ -29,7 +33,7 @@ message that is not signed with the key after one MAC over at most 64 KiB.
 Messages that fail a check, replayed or stale messages, and unreadable
 shared-memory segments are dropped unread and counted by reason
 (``dropped``); the log gets the first of each reason at once, then one
-summary line per ``DROP_LOG_INTERVAL``.
+summary line per ``DROP_LOG_INTERVAL`` (:mod:`.drops`).
 
 Same host: the loop also listens on a plain Unix domain socket in a private
 directory, and a peer on the same host (same boot, network and mount
@@ -51,14 +55,16 @@ import logging
 import os
 import threading
 import time
-from collections import Counter, deque
+from collections import deque
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any
 
 import zmq
 
 from . import channel, local, shm, unix
 from .auth import connect_token  # (re-exported)
+from .dealer import Dealer
+from .drops import DropLog
 from .frames import (
     DEFAULT_MAX_MESSAGE,
     FLAG_SHM,
@@ -79,7 +85,6 @@ log = logging.getLogger(__name__)
 
 MAX_HELD = 10_000  # messages held per peer whose address is not known yet
 _MAX_SLEEP_MS = 500  # the loop wakes at least this often to look at new timers
-DROP_LOG_INTERVAL = 10.0  # seconds between summary lines about dropped messages
 
 
 class IOLoop:
@@ -111,13 +116,16 @@ class IOLoop:
         self._guard = ReplayGuard(max_age)
         self._guard_lock = threading.Lock()  # (channel threads deliver too)
         self._token = connect_token(key)
+        # messages dropped unread, by reason (a Counter); note_drop counts and logs
+        self._drops = DropLog(name, lambda delay, fn: self.call_later(delay, fn))
+        self.dropped, self.note_drop = self._drops.counts, self._drops.note
         # link state per peer: monotonic time since its link is down, None while up
         self._links: dict[int, float | None] = {}
         self._zmq = ZmqHub(key, self._token, self.max_message_size + MAX_HEADER + SIG_LEN,
                            encrypt, deliver=self.deliver, note_drop=self.note_drop,
                            links=self._links, name=name,
                            is_current=lambda peer, d: self._dealers.get(peer) is d)
-        self._dealers: dict[int, _Dealer] = {}
+        self._dealers: dict[int, Dealer] = {}
         self._same_host: dict[int, bool] = {}
         self._shm = shm.ShmWriter(copy or shm.plain_copy) if shm.available() else None
         self._dealers_lock = threading.Lock()
@@ -145,11 +153,8 @@ class IOLoop:
         self.address: str | None = None
         self.thread_ident: int | None = None
         # receive counters: written by the I/O thread only (send counters live
-        # on each peer's _Dealer, under its lock; see sent_msgs/sent_bytes)
+        # on each peer's Dealer, under its lock; see sent_msgs/sent_bytes)
         self.recv_msgs = self.recv_bytes = 0
-        self.dropped: Counter[str] = Counter()  # reason -> messages dropped unread
-        self._drops_unlogged: Counter[str] = Counter()
-        self._drop_log_due = False
         self._sent_to_self = [0, 0]  # messages, bytes
         self._poller: zmq.Poller | None = None
 
@@ -244,29 +249,6 @@ class IOLoop:
         None while it is up, or when this loop has no connection to ``peer``."""
         return self._links.get(peer)
 
-    def note_drop(self, reason: str, detail: str = "") -> None:
-        """Count a message dropped unread (by this loop or an upper layer) and
-        log it: the first of each reason at once, then one summary line per
-        ``DROP_LOG_INTERVAL`` with the counts. Safe from any thread."""
-        first = reason not in self.dropped
-        self.dropped[reason] += 1
-        if first:
-            log.warning("%s: dropped a message unread (%s)%s", self._name, reason,
-                        f": {detail}" if detail else "")
-            return
-        self._drops_unlogged[reason] += 1
-        if not self._drop_log_due:
-            self._drop_log_due = True
-            self.call_later(DROP_LOG_INTERVAL, self._log_drops)
-
-    def _log_drops(self) -> None:
-        self._drop_log_due = False
-        counts, self._drops_unlogged = self._drops_unlogged, Counter()
-        if counts:
-            log.warning("%s: dropped %d more message(s) unread in the last %g s: %s",
-                        self._name, sum(counts.values()), DROP_LOG_INTERVAL,
-                        ", ".join(f"{r} {n}" for r, n in counts.most_common()))
-
     @property
     def sent_msgs(self) -> int:
         return (self._sent_to_self[0] + sum(d.sent_msgs for d in list(self._dealers.values()))
@@ -279,13 +261,17 @@ class IOLoop:
 
     # -- thread-safe hand-off ----------------------------------------------
     def send(self, peer: int, kind: int, msg_id: int, payload: bytes,
-             buffers: list = (), via: Any = None) -> int:
+             buffers: list = (), via: Any = None, defer: bool = False,
+             first: list | None = None) -> int:
         """Sign and send one message to ``peer`` (safe from any thread; never
         blocks). Large buffers to a peer on this host go through shared memory.
         Returns the bytes handed over. ``via``: a channel to ``peer`` (see
         :meth:`channel`; an answer goes on the one its request came on),
         written before this returns; raises :class:`~.channel.ChannelClosed`
-        if that fails."""
+        if that fails; ``first``: a message :meth:`take_queued` took back, to
+        write on ``via`` ahead of this one. ``defer``: nobody waits for this message right now
+        (``rpc_async``, ``remote``): queue it and let the I/O thread write
+        what has queued by then, several messages in one system call."""
         if buffers:
             if self._shm is not None and peer != self.local_id and self._is_local(peer):
                 buffers = [self._to_shm(b) for b in buffers]
@@ -298,10 +284,28 @@ class IOLoop:
         frames = pack(self._key, kind, self.local_id, msg_id, payload, buffers,
                       incarnation=self._seq.incarnation, seq=self._seq.next())
         if via is not None:
-            return via.write(frames)
+            return via.write(frames, first)
         nbytes = sum(memoryview(f).nbytes for f in frames)
-        self._send_frames(peer, frames, nbytes)
+        self._send_frames(peer, (frames, nbytes, msg_id), defer)
         return nbytes
+
+    def send_frames(self, peer: int, frames: list) -> None:
+        """Send a message :meth:`take_queued` took back (already signed)."""
+        self._send_frames(peer, (frames, sum(memoryview(f).nbytes for f in frames), 0))
+
+    def flush_to(self, peer: int) -> None:
+        """Write now what waits for ``peer`` (before a message that must not
+        overtake it goes another way: this thread's channel)."""
+        dealer = self._dealers.get(peer)
+        if dealer is not None and dealer.queue:
+            self._flush(dealer)
+
+    def take_queued(self, peer: int, msg_id: int) -> list | None:
+        """The frames of deferred message ``msg_id`` to ``peer``, taken out
+        of its queue if nothing was queued after it and it is unsent (the
+        caller then writes it on its channel); else None."""
+        dealer = self._dealers.get(peer)
+        return None if dealer is None else dealer.take_last(msg_id)
 
     def channel(self, peer: int) -> channel.Channel | None:
         """The calling thread's own channel to ``peer`` (made on first use;
@@ -337,54 +341,43 @@ class IOLoop:
             self._same_host[peer] = local
         return local
 
-    def _send_frames(self, peer: int, frames: list, nbytes: int) -> None:
+    def _send_frames(self, peer: int, entry: tuple, defer: bool = False) -> None:
+        """Send ``entry``: (frames, their bytes, message id)."""
         if peer == self.local_id:  # to ourselves: no socket, but a real copy
             self._sent_to_self[0] += 1
-            self._sent_to_self[1] += nbytes
-            self.call_soon(self.deliver, _copy_frames(frames))
+            self._sent_to_self[1] += entry[1]
+            self.call_soon(self.deliver, _copy_frames(entry[0]))
             return
-        dealer = self._dealers.get(peer) or self._open_dealer(peer, frames, nbytes)
+        dealer = self._dealers.get(peer) or self._open_dealer(peer, entry)
         if dealer is None:  # held until the address is known, or dropped
             return
-        dealer.queue.append((frames, nbytes))
+        dealer.queue.append(entry)
+        if not defer:
+            self._flush(dealer)
+        elif not dealer.flush_due:  # (a flush already due sends this one too)
+            dealer.flush_due = True
+            self.call_soon(self._flush_due, dealer)
+
+    def _flush_due(self, dealer: Dealer) -> None:
+        dealer.flush_due = False  # (before the flush: a later deferral schedules anew)
         self._flush(dealer)
 
-    def _flush(self, dealer: _Dealer) -> None:
-        """Send what ``dealer`` has queued. Combining: whoever holds the lock sends
-        everything queued; a thread that finds it taken leaves and never sleeps."""
-        queue, lock = dealer.queue, dealer.lock
-        while queue:
-            if not lock.acquire(blocking=False):
-                return  # the holder re-checks the queue after releasing
-            try:
-                sock = dealer.sock
-                while queue:
-                    out, size = queue.popleft()
-                    if sock.closed:
-                        continue
-                    try:
-                        sock.send_multipart(out, copy=False)
-                    except BufferError as e:  # a Unix socket whose peer reads nothing
-                        self.note_drop("send queue full", str(e))
-                        continue
-                    dealer.sent_msgs += 1
-                    dealer.sent_bytes += size
-            finally:
-                lock.release()
+    def _flush(self, dealer: Dealer) -> None:
+        dealer.flush(self.note_drop)
 
-    def _open_dealer(self, peer: int, frames: list, nbytes: int) -> _Dealer | None:
-        """The connection to ``peer``, made now; None when the message (``frames``)
+    def _open_dealer(self, peer: int, entry: tuple) -> Dealer | None:
+        """The connection to ``peer``, made now; None when the message (``entry``)
         cannot go yet (held until ``peer``'s address is known) or at all (dropped)."""
         with self._dealers_lock:
-            entry = self._dealers.get(peer)
-            if entry is not None:
-                return entry
+            dealer = self._dealers.get(peer)
+            if dealer is not None:
+                return dealer
             address = self._addresses.get(peer)
             if address is None and not (self._stopping or self._zmq.closed
                                         or peer in self._forgotten):
                 held = self._held.setdefault(peer, deque())
                 if len(held) < MAX_HELD:
-                    held.append((frames, nbytes))
+                    held.append(entry)
                     return None
             if address is None or self._stopping or self._zmq.closed:
                 log.warning("dropping a message to peer %d: %s", peer,
@@ -394,7 +387,7 @@ class IOLoop:
                 return None
             return self._new_dealer(peer, address)
 
-    def _new_dealer(self, peer: int, address: str) -> _Dealer | None:
+    def _new_dealer(self, peer: int, address: str) -> Dealer | None:
         """Connect to ``peer`` (the caller holds the dealers' lock)."""
         if self._stopping or self._zmq.closed:
             return None
@@ -402,20 +395,20 @@ class IOLoop:
         if endpoint is not None and endpoint.startswith("unix://"):
             return self._new_unix_dealer(peer, endpoint)
         self._links[peer] = time.monotonic()  # down until connected
-        dealer = self._dealers[peer] = _Dealer(*self._zmq.connect(endpoint or address))
+        dealer = self._dealers[peer] = Dealer(*self._zmq.connect(endpoint or address))
         self.call_soon(self._watch, peer, dealer)
         return dealer
 
-    def _new_unix_dealer(self, peer: int, endpoint: str) -> _Dealer:
+    def _new_unix_dealer(self, peer: int, endpoint: str) -> Dealer:
         """A plain Unix socket to ``peer`` (see :mod:`.unix`)."""
         sender = unix.UnixSender(endpoint, self._token,
                                  lambda s: self.call_soon(self._unix.want_write, s))
-        dealer = self._dealers[peer] = _Dealer(sender)
+        dealer = self._dealers[peer] = Dealer(sender)
         self._links[peer] = None if sender.connected else time.monotonic()
         self.call_soon(self._watch, peer, dealer)
         return dealer
 
-    def _watch(self, peer: int, dealer: _Dealer) -> None:
+    def _watch(self, peer: int, dealer: Dealer) -> None:
         """Poll ``dealer``'s monitor (on the I/O thread, which owns the poller)."""
         if self._poller is None or dealer.sock.closed or self._dealers.get(peer) is not dealer:
             close_monitor(dealer)
@@ -610,32 +603,6 @@ class IOLoop:
                 fn(*args)
             except Exception:
                 log.exception("nbrpc timer %r failed", fn)
-
-
-class Link(Protocol):
-    """What the loop needs of a peer's outgoing connection; a zmq DEALER
-    (``tcp://``) and :class:`~.unix.UnixSender` (``unix://``) both have it.
-    ``send_multipart`` never blocks; ``close`` lets queued frames drain for
-    at most ``linger`` ms."""
-
-    closed: bool
-
-    def send_multipart(self, frames: list, copy: bool = False) -> Any: ...
-
-    def close(self, linger: int | None = None) -> None: ...
-
-
-class _Dealer:
-    """A peer's outgoing socket, its lock and the frames waiting for the lock."""
-
-    __slots__ = ("sock", "monitor", "lock", "queue", "sent_msgs", "sent_bytes")
-
-    def __init__(self, sock: Link, monitor: zmq.Socket | None = None) -> None:
-        self.sock = sock
-        self.monitor = monitor
-        self.lock = threading.Lock()
-        self.queue: deque = deque()  # (frames, nbytes)
-        self.sent_msgs = self.sent_bytes = 0  # under lock
 
 
 def _copy_frames(frames: list) -> list:

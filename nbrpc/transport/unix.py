@@ -142,6 +142,7 @@ class UnixSender:
         self._want_write = want_write
         self._queue: deque[list] = deque()  # per message: its remaining memoryviews
         self._started = False  # the first queued message is partly written
+        self._blocked = False  # the kernel's buffer was full: the I/O thread writes
         self.closed = False
         self.connected = False
         self.sock: socket.socket | None = None
@@ -174,8 +175,10 @@ class UnixSender:
         self._write()
         return True
 
-    def send_multipart(self, frames: list, copy: bool = False) -> None:
-        """Queue one message and write what the socket takes now."""
+    def send_multipart(self, frames: list, copy: bool = False, more: bool = False) -> None:
+        """Queue one message and write what the socket takes now; ``more``:
+        another follows at once, so only queue (the last one writes them all,
+        as many as fit in one ``sendmsg``)."""
         if self.closed:
             return
         if len(self._queue) >= MAX_QUEUED:
@@ -184,7 +187,12 @@ class UnixSender:
         n = len(views)
         head = struct.pack(f"<I{n}Q", n, *[v.nbytes for v in views])
         self._queue.append([memoryview(head), *views])
-        if self.connected and len(self._queue) == 1:
+        if not more:
+            self.push()
+
+    def push(self) -> None:
+        """Write what is queued, unless the I/O thread waits to (socket full)."""
+        if self.connected and not self._blocked:
             self._write()
 
     def flush(self) -> bool:
@@ -194,10 +202,16 @@ class UnixSender:
         return not self._queue
 
     def _write(self) -> None:
+        """Write queued messages, several per ``sendmsg`` (at most ``_IOV_MAX``
+        buffers), until all went or the kernel's buffer is full."""
         queue, sock = self._queue, self.sock
+        self._blocked = False
         while queue:
-            views = queue[0]
-            batch = views[:_IOV_MAX]
+            batch: list = []
+            for views in queue:
+                batch += views[:_IOV_MAX - len(batch)]
+                if len(batch) >= _IOV_MAX:
+                    break
             try:
                 sent = sock.sendmsg(batch)
             except (BlockingIOError, InterruptedError):
@@ -207,21 +221,20 @@ class UnixSender:
                 self.connected = False
                 return
             full = sent < sum(v.nbytes for v in batch)
-            if sent:
-                self._started = True
-            while views:  # (empty frames too: shared-memory buffers leave one)
-                n = views[0].nbytes
-                if sent >= n:
-                    views.pop(0)
-                    sent -= n
-                else:
+            while queue:  # drop what went (empty frames too: shared memory leaves one)
+                views = queue[0]
+                before = len(views)
+                while views and views[0].nbytes <= sent:
+                    sent -= views.pop(0).nbytes
+                if views:  # cut short here
+                    self._started = self._started or sent > 0 or len(views) < before
                     if sent:
                         views[0] = views[0][sent:]
                     break
-            if not views:
                 queue.popleft()
                 self._started = False
-            elif full:  # the kernel's buffer is full: the I/O thread goes on
+            if full:  # the kernel's buffer is full: the I/O thread goes on
+                self._blocked = True
                 self._want_write(self)
                 return
 
@@ -480,13 +493,12 @@ class UnixHub:
                 self._poller.unregister(receiver.fd)
 
     def adopt(self, receiver: UnixReceiver) -> None:
-        """Read ``receiver`` like an accepted connection until the one answer
-        still due on it has come, then close it (a caller's channel whose
-        thread stopped waiting: its timeout, Ctrl-C)."""
+        """Read ``receiver`` like an accepted connection until the answers
+        still due on it (``receiver.due``) have come, then close it (a
+        caller's channel whose thread stopped waiting: its timeout, Ctrl-C)."""
         if self._poller is None:
             receiver.close()
             return
-        receiver.due = 1
         self._receivers[receiver.fd] = receiver
         self.handlers[receiver.fd] = self._on_readable
         self._poller.register(receiver.fd, 1)
