@@ -286,3 +286,27 @@ def test_a_timed_out_to_here_with_its_creation_along_loses_neither_answer(
     assert poll_for(lambda: a.late_replies == 1, 5)  # and the fetch's, late
     assert poll_for(lambda: _served(b) == 0, 5)  # then the channel closed
     assert r.to_here() == 3
+
+
+def test_a_creation_taken_along_still_goes_when_no_channel_can_take_it(
+        pair, monkeypatch) -> None:
+    """No channel (refused) or a channel that fails before the creation went:
+    the creation and the fetch take the usual path, in that order."""
+    from nbrpc.rref import remote
+    a, b = pair
+    _hold_io_flushes(a, monkeypatch)
+    monkeypatch.setattr(channel, "MAX_CHANNELS", 0)
+    r = remote(a, "b", _thread_name, (), {}, -1)
+    assert r.to_here().startswith("nbrpc-worker[b]")  # created on the pool
+    assert poll_for(r.confirmed_by_owner, 5)
+    monkeypatch.setattr(channel, "MAX_CHANNELS", 64)
+    a.io.channels._no_channel.clear()
+    assert a.rpc_sync(1, operator.pos, (1,)) == 1  # a channel again
+
+    def broken(frames, first=None):
+        raise ChannelClosed("the reader closed the connection")
+
+    monkeypatch.setattr(a.io.channel(1), "write", broken)
+    s = remote(a, "b", _thread_name, (), {}, -1)
+    assert s.to_here().startswith("nbrpc-worker[b]")
+    assert poll_for(s.confirmed_by_owner, 5)

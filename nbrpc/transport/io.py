@@ -1,29 +1,22 @@
 """An agent's sockets: the I/O thread that receives, and the senders' DEALERs.
 
 One ROUTER socket is bound per agent; every message *to* this agent arrives
-there. Every message *from* this agent leaves through a DEALER socket, one per
-peer, opened the first time that peer is addressed. Replies therefore travel
-on the replier's own DEALER, and a ROUTER never has to route.
+there. Every message *from* it leaves through a DEALER, one per peer, opened
+the first time that peer is addressed: replies travel on the replier's own
+DEALER, and a ROUTER never has to route. The I/O thread alone owns the ROUTER
+(the only socket polled). A DEALER is never read, so :meth:`IOLoop.send`
+writes it from the calling thread under that peer's lock (:mod:`.dealer`): a
+hand-off between two Python threads costs ~35 us here, and queueing sends
+through the I/O thread put two on every round trip. A request nobody waits
+for yet (``rpc_async``, ``remote``) is queued instead (``defer``): the I/O
+thread writes what has queued by then in one system call, unless the
+caller's ``wait()`` writes it first.
 
-The I/O thread alone owns the ROUTER (it is the only socket polled). A
-DEALER is never read (answers come back on the ROUTER), so :meth:`IOLoop.send`
-writes it from the calling thread under that peer's lock: zmq's own I/O
-thread does the network work, and a call costs no thread hand-off. Measured
-here, a hand-off between two Python threads costs ~35 us (a SimpleQueue
-ping-pong takes 70 us), and queueing sends through the I/O thread put two
-of them on every round trip. A request nobody waits for yet (``rpc_async``,
-``remote``) is the exception: it is queued (``defer``) and the I/O thread
-writes what has queued by then in one system call, unless the caller's
-``wait()`` writes it first (:mod:`.dealer`); a burst of 64 async calls
-costs the caller a fraction of the writes.
-
-Other threads hand work to the I/O thread through :meth:`IOLoop.call_soon`,
-which appends to a deque and wakes the loop through a pipe only when it may
-be sleeping in ``poll``. The loop also runs timers (:meth:`call_later`),
-which the agent uses for call deadlines.
-
-A plain ``zmq.Poller`` thread was chosen by measurement: about 1.8× the round
-trips per second of ``zmq.asyncio`` in a minimal Python request/reply here.
+Other threads hand work to the I/O thread through :meth:`IOLoop.call_soon`
+(a deque; the loop is woken through a pipe only when it may be sleeping in
+``poll``); it also runs timers (:meth:`call_later`: call deadlines). A plain
+``zmq.Poller`` thread was chosen by measurement: about 1.8× the round trips
+per second of ``zmq.asyncio`` in a minimal Python request/reply here.
 
 Connections are authenticated before any message is read, on either
 backend: zmq's (``tcp://``, :mod:`.zmqhub`: PLAIN with the group's token
@@ -32,21 +25,19 @@ sockets' (``unix://``, :mod:`.unix`). :func:`~.frames.unpack` then rejects a
 message that is not signed with the key after one MAC over at most 64 KiB.
 Messages that fail a check, replayed or stale messages, and unreadable
 shared-memory segments are dropped unread and counted by reason
-(``dropped``); the log gets the first of each reason at once, then one
-summary line per ``DROP_LOG_INTERVAL`` (:mod:`.drops`).
+(``dropped``, :mod:`.drops`).
 
 Same host: the loop also listens on a plain Unix domain socket in a private
 directory, and a peer on the same host (same boot, network and mount
 namespaces) connects there rather than over loopback TCP (:mod:`.local`), with
 no libzmq in between (:mod:`.unix`: the same handshake token, signed frames
-and bounds; ~30 µs less per round trip). Which backend a peer gets follows the
-scheme of its address: ``unix://`` or zmq's ``tcp://``.
+and bounds). Which backend a peer gets follows the scheme of its address.
 
 Links: the agent learns within milliseconds that the process at the other
 end of a connection is gone (the kernel closed it: a zmq socket monitor, or
-a Unix socket's hang-up), with no heartbeat involved.
-:meth:`IOLoop.link_down_since` tells since when a peer's link is down; a
-process that is stopped or busy (its GIL held) keeps its link up.
+a Unix socket's hang-up), with no heartbeat involved;
+:meth:`IOLoop.link_down_since` tells since when. A process that is stopped
+or busy (its GIL held) keeps its link up.
 """
 
 from __future__ import annotations
