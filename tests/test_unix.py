@@ -239,6 +239,39 @@ def test_deferred_messages_wait_for_the_io_thread_and_go_in_order(monkeypatch) -
         assert [e.msg_id for e in got[5:]] == [6, 7]
 
 
+def test_deferred_messages_left_in_a_dropped_connection_go_on_the_new_one(
+        monkeypatch) -> None:
+    """A peer first reached over TCP moves to its Unix socket once that is known
+    (a redial): what was deferred on the old connection and not yet written
+    goes on the new one, not down with the old."""
+    key = new_key()
+    got: list = []
+    a = IOLoop(key, 0, lambda env: None, name="nbrpc-io-test-a")
+    b = IOLoop(key, 1, got.append, name="nbrpc-io-test-b")
+    try:
+        for loop in (a, b):
+            loop.bind()
+            loop.start()
+        a.set_address(1, b.address)  # over TCP: its Unix socket is not known yet
+        a.send(1, 0, 1, b"over tcp")
+        assert poll_for(lambda: got, timeout=5)
+        old = a._dealers[1]
+        due: list = []
+        monkeypatch.setattr(a, "_flush_due", due.append)  # the I/O thread's flush, held
+        a.send(1, 0, 2, b"deferred", defer=True)
+        assert [e[2] for e in old.queue] == [2]
+        a.set_address(1, b.address, b.local_address)  # the redial drops the old one
+        assert poll_for(lambda: a._dealers.get(1) is not old, timeout=5)
+        monkeypatch.undo()
+        for dealer in due:  # the flushes the I/O thread was asked for, run now
+            a.call_soon(a._flush_due, dealer)
+        assert poll_for(lambda: len(got) == 2, timeout=5), got
+        assert got[1].msg_id == 2 and isinstance(a._dealers[1].sock, UnixSender)
+    finally:
+        a.stop()
+        b.stop()
+
+
 def test_loop_refuses_a_connection_that_never_authenticates(monkeypatch) -> None:
     from nbrpc.transport import unix
     monkeypatch.setattr(unix, "HELLO_TIMEOUT", 0.2)

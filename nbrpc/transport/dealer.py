@@ -37,9 +37,11 @@ class Link(Protocol):
 class Dealer:
     """A peer's outgoing socket, its lock and the messages waiting for the lock."""
 
-    __slots__ = ("sock", "monitor", "lock", "queue", "flush_due", "sent_msgs", "sent_bytes")
+    __slots__ = ("peer", "sock", "monitor", "lock", "queue", "flush_due", "sent_msgs",
+                 "sent_bytes")
 
-    def __init__(self, sock: Link, monitor: zmq.Socket | None = None) -> None:
+    def __init__(self, peer: int, sock: Link, monitor: zmq.Socket | None = None) -> None:
+        self.peer = peer
         self.sock = sock
         self.monitor = monitor  # a zmq socket's monitor; None for a Unix socket
         self.lock = threading.Lock()

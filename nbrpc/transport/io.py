@@ -351,7 +351,20 @@ class IOLoop:
 
     def _flush_due(self, dealer: Dealer) -> None:
         dealer.flush_due = False  # (before the flush: a later deferral schedules anew)
-        self._flush(dealer)
+        if self._dealers.get(dealer.peer) is dealer:
+            self._flush(dealer)
+        else:  # dropped meanwhile (a redial): what it holds goes on the new connection
+            self._requeue(dealer)
+
+    def _requeue(self, dealer: Dealer) -> None:
+        """Send what waits in a dropped ``dealer``'s queue (deferred messages
+        not yet written) as new messages to its peer: on the peer's current
+        connection, or held or dropped as any message to that peer would be."""
+        with dealer.lock:
+            entries = list(dealer.queue)
+            dealer.queue.clear()
+        for entry in entries:
+            self._send_frames(dealer.peer, entry, defer=True)
 
     def _flush(self, dealer: Dealer) -> None:
         dealer.flush(self.note_drop)
@@ -386,7 +399,7 @@ class IOLoop:
         if endpoint is not None and endpoint.startswith("unix://"):
             return self._new_unix_dealer(peer, endpoint)
         self._links[peer] = time.monotonic()  # down until connected
-        dealer = self._dealers[peer] = Dealer(*self._zmq.connect(endpoint or address))
+        dealer = self._dealers[peer] = Dealer(peer, *self._zmq.connect(endpoint or address))
         self.call_soon(self._watch, peer, dealer)
         return dealer
 
@@ -394,7 +407,7 @@ class IOLoop:
         """A plain Unix socket to ``peer`` (see :mod:`.unix`)."""
         sender = unix.UnixSender(endpoint, self._token,
                                  lambda s: self.call_soon(self._unix.want_write, s))
-        dealer = self._dealers[peer] = Dealer(sender)
+        dealer = self._dealers[peer] = Dealer(peer, sender)
         self._links[peer] = None if sender.connected else time.monotonic()
         self.call_soon(self._watch, peer, dealer)
         return dealer
@@ -460,6 +473,7 @@ class IOLoop:
             self._shm.close()
         with self._dealers_lock:
             for dealer in self._dealers.values():
+                dealer.flush(self.note_drop)  # (deferred messages a last flush missed)
                 with dealer.lock:
                     dealer.sock.close(linger=LINGER_MS)
                 close_monitor(dealer)
@@ -539,6 +553,7 @@ class IOLoop:
         if entry is not None:
             if entry.monitor is None and self._unix is not None:
                 self._unix.forget(entry)
+            self._requeue(entry)  # (its socket's own queue drains within the linger)
             with entry.lock:
                 entry.sock.close(linger=linger)
             self._zmq.unwatch(entry)
