@@ -180,8 +180,9 @@ def test_a_sender_queues_while_its_peer_is_unreachable_then_delivers(tmp_path) -
 
 # -- through the I/O loop --------------------------------------------------------------
 @contextlib.contextmanager
-def _pair(**kw) -> Iterator[tuple[IOLoop, IOLoop, list]]:
-    """Two started loops; ``a`` knows where ``b`` listens. Both stop at the end."""
+def _pair(unix: bool = True, **kw) -> Iterator[tuple[IOLoop, IOLoop, list]]:
+    """Two started loops; ``a`` knows where ``b`` listens (``unix=False``: only
+    its TCP address, as before the member table). Both stop at the end."""
     key = new_key()
     got: list = []
     a = IOLoop(key, 0, lambda env: None, name="nbrpc-io-test-a", **kw)
@@ -190,7 +191,7 @@ def _pair(**kw) -> Iterator[tuple[IOLoop, IOLoop, list]]:
         for loop in (a, b):
             loop.bind()
             loop.start()
-        a.set_address(1, b.address, b.local_address)
+        a.set_address(1, b.address, b.local_address if unix else None)
         yield a, b, got
     finally:
         a.stop()
@@ -244,15 +245,7 @@ def test_deferred_messages_left_in_a_dropped_connection_go_on_the_new_one(
     """A peer first reached over TCP moves to its Unix socket once that is known
     (a redial): what was deferred on the old connection and not yet written
     goes on the new one, not down with the old."""
-    key = new_key()
-    got: list = []
-    a = IOLoop(key, 0, lambda env: None, name="nbrpc-io-test-a")
-    b = IOLoop(key, 1, got.append, name="nbrpc-io-test-b")
-    try:
-        for loop in (a, b):
-            loop.bind()
-            loop.start()
-        a.set_address(1, b.address)  # over TCP: its Unix socket is not known yet
+    with _pair(unix=False) as (a, b, got):  # over TCP: b's Unix socket not known yet
         a.send(1, 0, 1, b"over tcp")
         assert poll_for(lambda: got, timeout=5)
         old = a._dealers[1]
@@ -267,9 +260,6 @@ def test_deferred_messages_left_in_a_dropped_connection_go_on_the_new_one(
             a.call_soon(a._flush_due, dealer)
         assert poll_for(lambda: len(got) == 2, timeout=5), got
         assert got[1].msg_id == 2 and isinstance(a._dealers[1].sock, UnixSender)
-    finally:
-        a.stop()
-        b.stop()
 
 
 def test_loop_refuses_a_connection_that_never_authenticates(monkeypatch) -> None:
