@@ -9,8 +9,8 @@ from collections import Counter
 
 import pytest
 import torch
-from conftest import local_group, poll_for
 
+from conftest import local_group, poll_for
 from nbrpc import autograd as dist_autograd
 from nbrpc import debug
 from nbrpc.agent import set_default_agent
@@ -208,3 +208,27 @@ def test_leaving_the_block_waits_for_the_answers_to_calls_it_did_not_wait_for(
         replies = [m for m in t.messages if m["kind"] == "reply" and m["what"] == "sleep"]
         assert bool(replies) == answered, t.messages
         fut.wait()
+
+
+def _entry(t: float, event: str, peer: str, duration: float | None = None) -> tuple:
+    return (100.0 + t, event, "call", peer, 7, 10, duration, "abs")
+
+
+def test_a_call_is_shown_before_its_reply_whatever_order_its_logs_were_written_in() -> None:
+    # A self-call under load: the reply arrived (recv) before the calling thread
+    # logged its send, and the callee logged its serve just after the caller had
+    # left the block (CI failure of the nbrpc.debug.trace doctest).
+    for serve in ([], [_entry(0.55, "serve", "d", 0.4)]):
+        t = debug.Trace(workers=["d"], start=100.0, duration=0.5, _offsets={"d": 0.0})
+        t._build({"d": [_entry(0.20, "recv", "d", 0.01), _entry(0.21, "send", "d"), *serve]})
+        assert [(m["kind"], m["what"]) for m in t.messages] == [("call", "abs"),
+                                                                ("reply", "abs")]
+        call_, reply = t.messages
+        assert call_["t0"] == pytest.approx(0.15 if serve else 0.20)  # served, arrived
+        assert reply["t0"] == (pytest.approx(0.20) if serve else None)
+    # a reply that left after the block and did not arrive within it is not in it
+    t = debug.Trace(workers=["d"], start=100.0, duration=0.5, _offsets={"d": 0.0})
+    t._build({"d": [_entry(0.10, "send", "d"), _entry(0.60, "serve", "d", 0.2),
+                    _entry(0.61, "recv", "d", 0.5)]})
+    assert [m["kind"] for m in t.messages] == ["call"], t.messages
+    assert t.messages[0]["t1"] is None  # (its serve is logged after the block)

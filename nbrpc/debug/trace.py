@@ -137,7 +137,10 @@ class Trace:
             if off is None:
                 self.lost[w.name] = "joined during the trace (clock not known)"
                 continue
-            futs[w.name] = agent.rpc_async(w.id, _events_here, (self.start + off, end + off),
+            # (read to now: a reply's ``serve`` is logged just after it left, so a
+            # call answered at the block's end may be logged after it; _build
+            # keeps what happened within the block)
+            futs[w.name] = agent.rpc_async(w.id, _events_here, (self.start + off, float("inf")),
                                            None, self._timeout)
         raw: dict[str, list[tuple]] = {}
         for name in self.workers:
@@ -162,16 +165,23 @@ class Trace:
             off = self._offsets.get(worker, 0.0) + self.start
             for t, event, op, peer, msg_id, nbytes, duration, detail in entries:
                 t -= off
-                if event == "send":
-                    sends[(worker, peer, msg_id)] = (t, op, nbytes, detail)
-                elif event in ("serve", "serve-error"):
+                if event in ("serve", "serve-error"):  # (kept or not below)
                     serves[(peer, worker, msg_id)] = (t, op, nbytes, duration or 0.0,
                                                       event == "serve-error")
+                elif t > self.duration:  # after the block
+                    continue
+                elif event == "send":
+                    sends[(worker, peer, msg_id)] = (t, op, nbytes, detail)
                 elif event in ("recv", "timeout"):
                     recvs[(worker, peer, msg_id)] = (t, op, nbytes, duration, event)
                 else:
                     events.append({"worker": worker, "time": t, "event": event, "op": op,
                                    "peer": peer, "detail": detail})
+        # a reply that left after the block is not in it, unless it arrived within
+        # it: a reply's ``serve`` is logged just after it left, maybe after its
+        # caller saw it and left the block
+        serves = {k: v for k, v in serves.items() if v[0] <= self.duration
+                  or (k in recvs and recvs[k][4] == "recv")}
         messages = []
         for key, send in sends.items():  # what the block sent, and the answers
             caller, callee, msg_id = key
@@ -179,23 +189,25 @@ class Trace:
             t, op, nbytes, what = send
             if not self.internal and what.startswith(INTERNAL):
                 continue
+            arrived = None if recv is None or recv[4] == "timeout" else recv[0]
+            served = serve[0] - serve[3] if serve else None
+            # a log notes a message just after it left: it left no later than it
+            # was served, nor than its answer arrived (and an answer no later than
+            # it arrived)
+            left = min(x for x in (t, served, arrived) if x is not None)
             messages.append({
                 "kind": family(op), "op": op, "what": what, "src": caller, "dst": callee,
-                "msg_id": msg_id, "nbytes": nbytes, "t0": t,
-                "t1": serve[0] - serve[3] if serve else None})
+                "msg_id": msg_id, "nbytes": nbytes, "t0": left, "t1": served})
             if serve or recv:
-                timed_out = recv is not None and recv[4] == "timeout"
                 messages.append({
                     "kind": "reply", "op": op, "what": what, "src": callee, "dst": caller,
                     "msg_id": msg_id, "nbytes": serve[2] if serve else None,
-                    "t0": serve[0] if serve else None,
-                    "t1": None if recv is None or timed_out else recv[0],
+                    "t0": None if serve is None else serve[0] if arrived is None
+                    else min(serve[0], arrived),
+                    "t1": arrived,
                     "latency": recv[3] if recv else None,
-                    "error": "timed out" if timed_out else ("raised" if serve and serve[4]
-                                                            else None)})
-        for m in messages:  # logs note a message just after it left: it left no later
-            if m["t0"] is not None and m["t1"] is not None and m["t0"] > m["t1"]:
-                m["t0"] = m["t1"]
+                    "error": "timed out" if recv is not None and recv[4] == "timeout"
+                    else ("raised" if serve and serve[4] else None)})
         self.messages = sorted(messages, key=_order)
         self.events = sorted(events, key=lambda e: (e["time"], e["worker"]))
 
