@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
+from collections import Counter
 from collections.abc import Iterator
 
 import pytest
@@ -342,6 +344,26 @@ def test_distributed_optimizer_steps_match_local_ones(group, mode: str, optim_cl
     assert torch.allclose(wb.to_here(), bl, atol=1e-6) and torch.allclose(wc.to_here(), cl, atol=1e-6)
     assert torch.allclose(x, xl, atol=1e-6) and x.grad is None
     assert "b" in repr(opt) and "c" in repr(opt)
+
+
+def test_a_training_step_sends_no_rref_protocol_messages(group) -> None:
+    """Parameter-server shape: W's RRef goes to its owner in the forward call and
+    the optimizer's RRefs to theirs in step(); the answers accept them, so a
+    step is its calls, gradients and release only (PyTorch adds a ChildAccept
+    and its answer for each)."""
+    a = group[0]
+    wb = remote("b", make_param, (1, 4, 3))
+    x = make_param(0, 5, 4)
+    opt = DistributedOptimizer(torch.optim.SGD, [wb], lr=0.1)
+    start = time.time()
+    for _ in range(3):
+        with dist_autograd.context() as ctx:
+            dist_autograd.backward(ctx, [rpc_sync("b", tanh_mm, (x, wb)).sum()])
+            opt.step(ctx)
+    assert poll_for(lambda: not a.ext["rref"].state.children and a.unanswered_since(0) == 0)
+    sent = Counter(e["op"] for ag in group for e in ag.events.records()
+                   if e["event"] == "send" and e["time"] >= start)
+    assert sent == {"call": 6, "autograd_grads": 3, "autograd_release": 3}, sent
 
 
 def broken_step(*args, **kwargs) -> None:

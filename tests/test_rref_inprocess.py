@@ -19,7 +19,7 @@ from conftest import local_group, poll_for
 from test_inprocess import Unpicklable
 
 from nbrpc.agent import current_agent, set_default_agent
-from nbrpc.errors import NbrpcError, WorkerGoneError
+from nbrpc.errors import NbrpcError, RpcTimeoutError, WorkerGoneError
 from nbrpc.rref import RRef, RRefLeakWarning, remote
 
 FREED: list[str] = []
@@ -112,6 +112,43 @@ def test_user_to_owner(group) -> None:
     assert not freed("u2o")
     del r
     assert poll_for(lambda: freed("u2o"))
+
+
+def child_accepts_sent(agent) -> int:  # noqa: ANN001
+    return sum(e["event"] == "send" and e["op"] == "rref_child_accept"
+               for e in agent.events.records())
+
+
+def test_an_rref_sent_home_is_let_go_by_the_answer_not_by_a_message(group) -> None:
+    """user → owner inside a request (a parameter server's ``rpc_sync(rref.owner(),
+    f, (rref,))``): the answer proves the owner holds its copy, so the parent
+    lets go when it comes; no ChildAccept message (PyTorch sends one)."""
+    a, b, _ = group
+    r = remote(a, "b", Tracked, ("home",), {}, -1)
+    assert r.to_here().tag == "home"
+    for call in (a.rpc_sync, lambda *args: a.rpc_async(*args).wait()):
+        for _ in range(3):
+            assert call("b", role_and_tag, (r,)) == (True, "home")
+            assert not a.ext["rref"].state.children  # at once, with the answer
+    assert child_accepts_sent(b) == 0
+    assert sum(e["event"] == "rref-child-accepted" and "by the answer" in e["detail"]
+               for e in a.events.records()) == 6
+    assert not freed("home")
+    del r
+    assert poll_for(lambda: freed("home"))
+
+
+def test_an_rref_sent_home_in_a_call_that_timed_out_is_let_go_by_its_late_answer(
+        group) -> None:
+    a, b, _ = group
+    r = remote(a, "b", Tracked, ("late-home",), {}, -1)
+    with pytest.raises(RpcTimeoutError):
+        a.rpc_async("b", keep_for, (r, 0.5), timeout=0.1).wait()
+    assert a.ext["rref"].state.children  # the owner may not have read it yet
+    assert poll_for(lambda: not a.ext["rref"].state.children, timeout=5)
+    assert child_accepts_sent(b) == 0 and not freed("late-home")
+    del r
+    assert poll_for(lambda: freed("late-home"))
 
 
 def test_owner_to_user(group) -> None:
@@ -354,13 +391,14 @@ def test_a_fork_request_given_up_releases_the_parent() -> None:
         assert not a.ext["rref"].state.children and a.ext["rref"].busy() == 0
 
 
-def test_forks_in_a_request_the_callee_cannot_unpickle_are_undone(group) -> None:
+@pytest.mark.parametrize("to", ["c", "b"])  # a user; the owner (no ChildAccept either way)
+def test_forks_in_a_request_the_callee_cannot_unpickle_are_undone(group, to) -> None:
     """The callee fails before it reaches the RRef: no ForkRequest ever comes, so
     the parent must let go when told the request was not read."""
     a, _, _ = group
     r = remote(a, "b", Tracked, ("unread",), {}, -1)
     with pytest.raises(RuntimeError, match="cannot rebuild"):
-        a.rpc_async("c", tag_of, (Unpicklable(), r)).wait()
+        a.rpc_async(to, tag_of, (Unpicklable(), r)).wait()
     assert poll_for(lambda: not a.ext["rref"].state.children)
     del r
     assert poll_for(lambda: freed("unread"))

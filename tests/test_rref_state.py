@@ -386,3 +386,27 @@ def test_a_given_up_fork_request_releases_the_parent() -> None:
     net.drop(c)
     net.settle()
     assert net.quiet()
+
+
+def test_an_rref_sent_home_in_a_request_is_accepted_by_the_answer() -> None:
+    """user → owner inside a request: no ChildAccept; the parent holds its copy
+    until the answer (which proves the owner read the request) comes, so a
+    Delete it sends meanwhile cannot free the value before the owner's copy
+    exists (G2), whatever the order of the messages."""
+    net = Net(3)
+    r = net.create(A, OWNER)
+    net.settle()
+    fork = net.s[A].fork_from_user(r.rref_id, OWNER, r)  # pickled into the request
+    net.drop(r)  # the program lets go at once: the child holds it
+    net.settle()
+    assert net.s[A].children and not net.freed and net.owned(OWNER, r.rref_id)
+    # the request arrives: the owner makes its owner-side RRef, sends nothing
+    net.s[OWNER].own(r.rref_id, "site")
+    assert net.s[OWNER].came_home(r.rref_id, fork, A, in_request=True) == []
+    assert net.s[OWNER].came_home(r.rref_id, fork, A) == [(A, ChildAccept(r.rref_id, fork))]
+    child = net.s[A].on_child_accept(fork)  # the answer came
+    net._collect(child.keepalive)
+    net.settle()
+    assert not net.freed  # the owner's copy (the call's argument) still holds it
+    assert net.s[OWNER].release_owner_ref(r.rref_id) is not None  # the call returned
+    assert net.quiet()

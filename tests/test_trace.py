@@ -9,8 +9,8 @@ from collections import Counter
 
 import pytest
 import torch
-
 from conftest import local_group, poll_for
+
 from nbrpc import autograd as dist_autograd
 from nbrpc import debug
 from nbrpc.agent import set_default_agent

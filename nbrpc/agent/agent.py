@@ -39,7 +39,7 @@ import itertools
 import logging
 import threading
 import time
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import Callable
 from concurrent.futures import Future as Verdict
 from typing import Any
@@ -139,6 +139,8 @@ class Agent(Caller, Callee, Control, Shutdown):
         self.propagator: Propagator | None = None  # set by the autograd layer
         self.state = "new"
         self._pending: dict[int, Pending] = {}
+        # requests that timed out with hooks on their answer: msg id -> (peer, wire)
+        self._late_hooks: OrderedDict[int, tuple[int, Wire]] = OrderedDict()
         self._ids = itertools.count(1)
         self.members = MemberTable()
         self._coordinator = Coordinator(world_size) if rank == 0 else None

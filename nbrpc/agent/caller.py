@@ -29,6 +29,7 @@ from .wire import _MISS, Pending, Wire, _Tag, _what, call_args, check_timeout
 log = logging.getLogger(__name__)
 
 _SLICE = 0.05  # seconds a thread reading its channel waits before looking again
+_LATE_HOOKS = 4096  # timed-out requests whose late answer still runs the wire's hooks
 
 
 class Caller:
@@ -222,6 +223,16 @@ class Caller:
         if p is None:
             return
         self.timeouts += 1
+        if p.wire is not None and p.wire.answered:  # (an RRef sent home: its late
+            with self._lock:                        # answer still lets the parent go)
+                self._late_hooks[mid] = (p.peer, p.wire)
+                forgot = (self._late_hooks.popitem(last=False)
+                          if len(self._late_hooks) > _LATE_HOOKS else None)
+            if forgot is not None:
+                gone, (peer, _) = forgot
+                log.warning("nbrpc agent %r: forgot what the answer to request %d from "
+                            "rank %d was to settle (over %d timed out); RRefs it sent "
+                            "home stay held", self.name, gone, peer, _LATE_HOOKS)
         name = self.peer_name(p.peer)
         self.events.add("timeout", p.op, name, mid, 0, time.perf_counter() - p.started)
         self._settle(p, error=RpcTimeoutError(f"RPC {p.op!r}", timeout, worker=name))
@@ -262,6 +273,8 @@ class Caller:
         if type(reply) is Ok or not reply.unread:
             if p.wire is not None and p.wire.full:  # it holds those definitions now
                 self.codes.confirm(p.peer, p.wire.full)
+            if p.wire is not None and p.wire.answered:
+                p.wire.read_by_callee()
         elif p.wire is not None:  # unread: undo what it carried (e.g. RRefs forked into it)
             p.wire.unsent()
         if type(reply) is Ok:
@@ -280,13 +293,26 @@ class Caller:
 
     def _discard(self, env: Envelope) -> None:
         """A late reply is still unpickled, then dropped: RRefs forked into it
-        must be received (and released) for their parents to let go."""
+        must be received (and released) for their parents to let go, and what
+        waited on the answer to a request that timed out runs (or is undone)."""
+        with self._lock:
+            late = self._late_hooks.get(env.msg_id)
+            if late is not None and late[0] == env.sender:
+                del self._late_hooks[env.msg_id]
+            else:
+                late = None
         if env.sender not in self.members:
             return
         try:
-            loads(env.payload, env.buffers, Wire(self, env.sender))
+            reply = loads(env.payload, env.buffers, Wire(self, env.sender))
         except Exception as e:
             log.debug("a late reply from rank %d did not unpickle: %s", env.sender, e)
+            return
+        if late is not None:
+            if type(reply) is Ok or not reply.unread:
+                late[1].read_by_callee()
+            else:
+                late[1].unsent()
 
     def unanswered_since(self, started: float) -> int:
         """Calls this agent sent at or after ``started`` (``time.perf_counter()``)

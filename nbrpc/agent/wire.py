@@ -34,10 +34,13 @@ class Wire:
     """What a reducer sees (``nbrpc.serialize.current_context()``) while a
     message is pickled or unpickled: this agent, the peer at the other end,
     ``undo`` callbacks to run if the message is never sent, the value the
-    message propagates (``tag``: the autograd context id) and a scratch dict
-    for upper layers (``stash``: one autograd message id per message)."""
+    message propagates (``tag``: the autograd context id), a scratch dict
+    for upper layers (``stash``: one autograd message id per message) and, for
+    a request, ``answered`` callbacks to run once the callee's answer shows it
+    read the request (an RRef sent home: its owner holds it now)."""
 
-    __slots__ = ("agent", "peer", "undo", "tag", "stash", "before", "refs_ok", "full", "refs")
+    __slots__ = ("agent", "peer", "undo", "tag", "stash", "before", "refs_ok", "full", "refs",
+                 "answered")
 
     def __init__(self, agent: Agent, peer: int, tag: Any = None, refs_ok: bool = False) -> None:
         self.agent, self.peer, self.tag = agent, peer, tag
@@ -50,6 +53,7 @@ class Wire:
         self.refs_ok = refs_ok
         self.full: list[bytes] | None = None
         self.refs = False
+        self.answered: list[Callable[[], None]] | None = None
 
     @property
     def codes(self) -> CodeCache:
@@ -73,6 +77,20 @@ class Wire:
                 fn()
             except Exception:
                 log.exception("undoing an unsent message's side effects failed")
+
+    def on_answered(self, fn: Callable[[], None]) -> None:
+        """A request being pickled: run ``fn`` when an answer shows the callee
+        read it (not if it could not, nor if no answer ever comes)."""
+        if self.answered is None:
+            self.answered = []
+        self.answered.append(fn)
+
+    def read_by_callee(self) -> None:
+        for fn in self.answered or ():
+            try:
+                fn()
+            except Exception:
+                log.exception("a hook on a request's answer failed")
 
 
 class Propagator:

@@ -271,6 +271,14 @@ class RRefContext:
         del child  # may free the parent RRef: its finalizer only queues work
         return True
 
+    def accepted_by_answer(self, rref_id: RRefId, fork: ForkId, owner: int) -> None:
+        """The owner answered the request that carried ``fork`` home: it holds
+        an owner-side RRef for it, so the parent lets go (no ChildAccept)."""
+        child = self.state.on_child_accept(fork)
+        if child is not None:
+            self._event("child-accepted", rref_id, fork, owner, f"{fork} by the answer")
+        del child  # may free the parent RRef: its finalizer only queues work
+
     def handle_delete(self, msg: Delete, sender: int) -> bool:
         freed = self.state.on_delete(msg.rref_id, msg.fork_id)
         if freed is not None:

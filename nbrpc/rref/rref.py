@@ -8,6 +8,7 @@
       rref.to_here() ── Fetch(id) ──────▶ waits for the value
       ◀──────────── ok(value) ─────────────
       rpc(C, g, (rref,))  ── forks ─▶ C ── ForkRequest ─▶ B;  C ── ChildAccept ─▶ A
+      rpc(B, g, (rref,))  ── home ──▶ B; the answer to the call accepts the child
       del rref (GC)   ── Delete(id, fork) ─▶ drops the fork; the value is freed
                                              when no fork and no owner RRef remain
 
@@ -276,15 +277,19 @@ def _reduce_rref(rref: RRef) -> tuple:
             fork = st.fork_from_owner(rid, to)
     else:  # user → anyone: held as a pending child until accepted (G2)
         fork = st.fork_from_user(rid, to, rref)
-    if fork is not None:  # (the undo must not hold the RRef: the call may be long)
+    # home in a request: the answer to it accepts the child (see came_home)
+    home_in_request = fork is not None and to == rref._owner and wire.refs_ok
+    if fork is not None:  # (the hooks must not hold the RRef: the call may be long)
         wire.on_unsent(lambda: ctx.undo_fork(rid, fork))
-    if fork is not None:
+        if home_in_request:
+            wire.on_answered(lambda: ctx.accepted_by_answer(rid, fork, to))
         ctx._event("forked", rref._id, fork, to, f"to {wire.agent.peer_name(to)}")
-    return _rebuild_rref, (rref._id, rref._owner, fork, st.rank, rref.is_owner(), rref._site)
+    return _rebuild_rref, (rref._id, rref._owner, fork, st.rank, rref.is_owner(), rref._site,
+                           home_in_request)
 
 
 def _rebuild_rref(rref_id: RRefId, owner: int, fork: ForkId | None, parent: int,
-                  from_owner: bool, site: str) -> RRef:
+                  from_owner: bool, site: str, home_in_request: bool = False) -> RRef:
     wire = current_context()
     if not isinstance(wire, Wire):
         raise NbrpcError("an RRef can only be unpickled inside an RPC message")
@@ -293,7 +298,7 @@ def _rebuild_rref(rref_id: RRefId, owner: int, fork: ForkId | None, parent: int,
     rref_id, fork = RRefId(*rref_id), None if fork is None else RRefId(*fork)
     if owner == agent.rank:  # it came home: an owner-side object; the parent may let go
         rref = RRef._new(agent, owner, site, rref_id)
-        ctx.send(ctx.state.came_home(rref_id, fork, parent))
+        ctx.send(ctx.state.came_home(rref_id, fork, parent, home_in_request))
         return rref
     rref = RRef._new(agent, owner, site, rref_id, fork)
     if not from_owner:  # as PyTorch: a request's function runs once the owner knows

@@ -21,7 +21,9 @@ Forking (an RRef pickled into a message for ``to``)::
     owner → user     owner registers the fork {F: to} at once; the
                      receiver's copy is born confirmed. No messages.
     user → owner     parent keeps a Child F; the owner makes an owner-side
-                     RRef and answers ChildAccept(F) to the parent.
+                     RRef and answers ChildAccept(F) to the parent, or, if
+                     F came in a request, the parent drops F when the answer
+                     to that request comes (it proves the owner read it).
     user → user      parent keeps a Child F; the receiver registers:
       A ──(rref F)──▶ C ── ForkRequest(F) ──▶ owner     adds {F: C}
                       C ◀──────── ok ──────── owner
@@ -223,10 +225,13 @@ class RRefState:
             self.owned[rref_id].forks[fork] = to
             return fork
 
-    def came_home(self, rref_id: RRefId, fork: ForkId | None, parent: int) -> Outbox:
+    def came_home(self, rref_id: RRefId, fork: ForkId | None, parent: int,
+                  in_request: bool = False) -> Outbox:
         """An RRef arrived at its owner: the caller makes an owner-side object
-        (see :meth:`own`); the sending user may stop holding its child."""
-        if fork is None or parent == self.rank:
+        (see :meth:`own`); the sending user may stop holding its child. It is
+        told so by a ChildAccept, or, for an RRef in a request, by the answer
+        to that request (no message of its own)."""
+        if fork is None or parent == self.rank or in_request:
             return []
         return [(parent, ChildAccept(rref_id, fork))]
 

@@ -1,4 +1,5 @@
-"""Doctests of the package: one that fails part-way leaves no RPC agent behind.
+"""Doctests of the package: one that fails part-way leaves no RPC agent behind
+(pytest loads this file for the doctests under nbrpc/; numpy ships one too).
 
 pytest stops a doctest at its first failing example, so a docstring that
 calls ``init_rpc`` would otherwise skip its ``shutdown()`` and every later
@@ -20,7 +21,7 @@ log = logging.getLogger(__name__)
 def pytest_runtest_teardown(item: pytest.Item) -> None:
     if not isinstance(item, DoctestItem):
         return
-    from nbrpc.rpc import api
+    from .rpc import api
 
     agent = api._Default.agent
     if agent is not None:
