@@ -79,6 +79,10 @@ def keep_for(rref: RRef, seconds: float) -> str:
     return tag_of(rref)
 
 
+def keep_and_return(rref: RRef, seconds: float) -> tuple[str, RRef]:
+    return keep_for(rref, seconds), rref
+
+
 def fail(msg: str) -> None:
     raise ValueError(msg)
 
@@ -167,6 +171,36 @@ def test_user_to_user(group) -> None:
     del r  # the parent lets go while c still uses its fork (0.3 s later)
     assert fut.wait() == "u2u"
     assert poll_for(lambda: freed("u2u"))
+
+
+def test_a_user_to_user_fork_in_a_request_is_let_go_by_the_answer(group) -> None:
+    """c runs the function once the owner confirmed its copy (as PyTorch), so its
+    answer stands for the ChildAccept PyTorch sends: a lets go when it comes."""
+    a, b, c = group
+    r = remote(a, "b", Tracked, ("u2u-answer",), {}, -1)
+    for _ in range(3):
+        assert a.rpc_sync("c", tag_of, (r,)) == "u2u-answer"
+        assert not a.ext["rref"].state.children  # at once, with the answer
+    assert child_accepts_sent(c) == 0
+    del r
+    assert poll_for(lambda: freed("u2u-answer"))
+
+
+def test_a_fork_still_pending_when_the_answer_goes_is_accepted_later() -> None:
+    """The owner has not confirmed c's copy when c answers (its wait for that is
+    bounded by the RPC timeout): the answer says the fork is pending, so a keeps
+    holding its copy until the ChildAccept c sends once the owner confirms."""
+    with local_group(["a", "b", "c"], rpc_timeout=0.3, control_retry=3.0) as (a, b, c):
+        r = remote(a, "b", Tracked, ("slow-fork",), {}, -1)
+        assert r.to_here().tag == "slow-fork"
+        c.faults.add("rref_fork", "delay", delay=1.2)
+        assert a.rpc_async("c", tag_of, (r,), timeout=5).wait() == "slow-fork"
+        assert a.ext["rref"].state.children  # the answer said: still pending
+        del r
+        assert not freed("slow-fork")
+        assert poll_for(lambda: not a.ext["rref"].state.children, timeout=5)
+        assert child_accepts_sent(c) == 1
+        assert poll_for(lambda: freed("slow-fork"), timeout=5)
 
 
 def confirmed_here(rref: RRef) -> bool:
@@ -300,10 +334,12 @@ def test_fault_once_no_premature_delete_no_leak(group, op, reply, action) -> Non
     for agent in group:
         agent.faults.add(op, action, delay=0.3, reply=reply)
     r = remote(a, "b", Tracked, (tag,), {}, -1)
-    fut = a.rpc_async("c", keep_for, (r, 0.4))
-    del r
-    assert fut.wait() == tag  # c's fork still works 0.4 s after a let go
-    del fut
+    fut = a.rpc_async("c", keep_and_return, (r, 0.4))  # (a's fork in the request is
+    del r                                               # let go by the answer; the
+    got, back = fut.wait()  # one in the answer, by a ChildAccept)
+    assert got == tag  # c's fork still works 0.4 s after a let go
+    assert back.to_here().tag == tag
+    del fut, back
     assert poll_for(lambda: freed(tag), timeout=8)
     assert any(agent.faults.fired for agent in group)
 

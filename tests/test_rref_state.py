@@ -410,3 +410,24 @@ def test_an_rref_sent_home_in_a_request_is_accepted_by_the_answer() -> None:
     assert not net.freed  # the owner's copy (the call's argument) still holds it
     assert net.s[OWNER].release_owner_ref(r.rref_id) is not None  # the call returned
     assert net.quiet()
+
+
+def test_a_user_to_user_fork_in_a_request_is_accepted_by_the_answer_once_settled() -> None:
+    """C settles the fork before it answers: no ChildAccept, the answer lets A go.
+    Still pending when C answers: the answer says so, and settling sends the
+    ChildAccept after all (never both, never neither)."""
+    for settled_first in (True, False):
+        net = Net(3)
+        r = net.create(A, OWNER)
+        net.settle()
+        fork = net.s[A].fork_from_user(r.rref_id, C, r)
+        out = net.s[C].user_arrived(r.rref_id, OWNER, fork, A, False, "site", by_answer=True)
+        assert out == [(OWNER, ForkRequest(r.rref_id, fork))]
+        net.s[OWNER].on_fork_request(r.rref_id, fork, C)
+        if settled_first:
+            assert net.s[C].on_confirmed(fork) == []  # no ChildAccept
+            assert net.s[C].unsettled_at_answer(fork) == []  # the answer lets A go
+        else:
+            assert net.s[C].unsettled_at_answer(fork) == [fork]  # the answer: pending
+            assert net.s[C].on_confirmed(fork) == [(A, ChildAccept(r.rref_id, fork))]
+        assert net.s[A].on_child_accept(fork) is not None

@@ -95,13 +95,13 @@ class Callee:
                     self._channel_busy(-1)
         except BaseException as e:
             self.user_error(op, env.sender, e)
-            self._reply(env, pack_error(e, self.name), op, started, tag)
+            self._reply(env, pack_error(e, self.name), op, started, tag, request=wire)
             return
         if type(result) is Deferred:
             on_done(result.future,
-                    lambda f: self._reply_future(env, f, op, started, tag, _what(msg)))
+                    lambda f: self._reply_future(env, f, op, started, tag, _what(msg), wire))
         else:
-            self._reply(env, Ok(result), op, started, tag, _what(msg))
+            self._reply(env, Ok(result), op, started, tag, _what(msg), wire)
 
     def _channel_busy(self, n: int) -> None:
         with self._lock:
@@ -134,16 +134,20 @@ class Callee:
         log.debug("the traceback", exc_info=e)
 
     def _reply_future(self, env: Envelope, f: torch.futures.Future, op: str, started: float,
-                      tag: Any = None, what: str = "") -> None:
+                      tag: Any = None, what: str = "", request: Wire | None = None) -> None:
         value, error = outcome(f)
         if error is not None:
             self.user_error(op, env.sender, error)
         reply: Any = Ok(value) if error is None else pack_error(error, self.name)
-        self._reply(env, reply, op, started, tag, what)
+        self._reply(env, reply, op, started, tag, what, request)
 
     def _reply(self, env: Envelope, reply: Any, op: str, started: float,
-               tag: Any = None, what: str = "") -> None:
+               tag: Any = None, what: str = "", request: Wire | None = None) -> None:
         peer = env.sender
+        if request is not None and request.answering:  # what the answer leaves unsettled
+            pending = request.pending_at_answer()
+            if pending:
+                reply = dataclasses.replace(reply, pending=pending)
         wire = Wire(self, peer, tag)  # tensors in the reply are recorded under the tag
         try:
             payload, buffers = dumps(reply, wire)

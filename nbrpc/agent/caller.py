@@ -274,7 +274,7 @@ class Caller:
             if p.wire is not None and p.wire.full:  # it holds those definitions now
                 self.codes.confirm(p.peer, p.wire.full)
             if p.wire is not None and p.wire.answered:
-                p.wire.read_by_callee()
+                p.wire.read_by_callee(reply.pending)
         elif p.wire is not None:  # unread: undo what it carried (e.g. RRefs forked into it)
             p.wire.unsent()
         if type(reply) is Ok:
@@ -310,7 +310,7 @@ class Caller:
             return
         if late is not None:
             if type(reply) is Ok or not reply.unread:
-                late[1].read_by_callee()
+                late[1].read_by_callee(reply.pending)
             else:
                 late[1].unsent()
 

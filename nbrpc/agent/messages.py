@@ -59,6 +59,7 @@ class Call:
 @dataclass(frozen=True, slots=True)
 class Ok:
     value: Any
+    pending: tuple = ()  # what the request carried that answering it did not settle
 
 
 @fast_pickle
@@ -72,6 +73,7 @@ class Err:
     traceback: str
     exc_pickle: bytes | None
     unread: bool = False  # the request itself could not be unpickled: nothing of it ran
+    pending: tuple = ()  # as Ok's
 
 
 # -- control: membership -------------------------------------------------------

@@ -35,12 +35,15 @@ class Wire:
     message is pickled or unpickled: this agent, the peer at the other end,
     ``undo`` callbacks to run if the message is never sent, the value the
     message propagates (``tag``: the autograd context id), a scratch dict
-    for upper layers (``stash``: one autograd message id per message) and, for
-    a request, ``answered`` callbacks to run once the callee's answer shows it
-    read the request (an RRef sent home: its owner holds it now)."""
+    for upper layers (``stash``: one autograd message id per message) and
+    what an answer settles: a request's sender runs ``answered`` callbacks once
+    the answer shows the callee read it, with what the answer says it left
+    ``pending``; its callee runs ``answering`` callbacks as it answers, which
+    name what is not settled yet (an RRef forked into the request: its owner
+    has not confirmed the copy)."""
 
     __slots__ = ("agent", "peer", "undo", "tag", "stash", "before", "refs_ok", "full", "refs",
-                 "answered")
+                 "answered", "answering")
 
     def __init__(self, agent: Agent, peer: int, tag: Any = None, refs_ok: bool = False) -> None:
         self.agent, self.peer, self.tag = agent, peer, tag
@@ -53,7 +56,8 @@ class Wire:
         self.refs_ok = refs_ok
         self.full: list[bytes] | None = None
         self.refs = False
-        self.answered: list[Callable[[], None]] | None = None
+        self.answered: list[Callable[[tuple], None]] | None = None
+        self.answering: list[Callable[[], list]] | None = None
 
     @property
     def codes(self) -> CodeCache:
@@ -78,19 +82,35 @@ class Wire:
             except Exception:
                 log.exception("undoing an unsent message's side effects failed")
 
-    def on_answered(self, fn: Callable[[], None]) -> None:
-        """A request being pickled: run ``fn`` when an answer shows the callee
-        read it (not if it could not, nor if no answer ever comes)."""
+    def on_answered(self, fn: Callable[[tuple], None]) -> None:
+        """A request being pickled: run ``fn(pending)`` when an answer shows the
+        callee read it (not if it could not, nor if no answer ever comes)."""
         if self.answered is None:
             self.answered = []
         self.answered.append(fn)
 
-    def read_by_callee(self) -> None:
+    def read_by_callee(self, pending: tuple) -> None:
         for fn in self.answered or ():
             try:
-                fn()
+                fn(pending)
             except Exception:
                 log.exception("a hook on a request's answer failed")
+
+    def on_answering(self, fn: Callable[[], list]) -> None:
+        """A request being unpickled: as it is answered, ``fn()`` names what of
+        it is not settled yet (the answer carries that as ``pending``)."""
+        if self.answering is None:
+            self.answering = []
+        self.answering.append(fn)
+
+    def pending_at_answer(self) -> tuple:
+        out: list = []
+        for fn in self.answering or ():
+            try:
+                out += fn()
+            except Exception:
+                log.exception("a hook on answering a request failed")
+        return tuple(out)
 
 
 class Propagator:

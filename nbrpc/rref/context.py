@@ -271,12 +271,17 @@ class RRefContext:
         del child  # may free the parent RRef: its finalizer only queues work
         return True
 
-    def accepted_by_answer(self, rref_id: RRefId, fork: ForkId, owner: int) -> None:
-        """The owner answered the request that carried ``fork`` home: it holds
-        an owner-side RRef for it, so the parent lets go (no ChildAccept)."""
+    def accepted_by_answer(self, rref_id: RRefId, fork: ForkId, peer: int,
+                           pending: tuple) -> None:
+        """``peer`` answered the request that carried ``fork``: it holds an
+        owner-side RRef for it (it is the owner), or its copy is confirmed,
+        unless the answer lists ``fork`` as ``pending`` (its ChildAccept comes
+        later). The parent lets go."""
+        if fork in pending:
+            return
         child = self.state.on_child_accept(fork)
         if child is not None:
-            self._event("child-accepted", rref_id, fork, owner, f"{fork} by the answer")
+            self._event("child-accepted", rref_id, fork, peer, f"{fork} by the answer")
         del child  # may free the parent RRef: its finalizer only queues work
 
     def handle_delete(self, msg: Delete, sender: int) -> bool:

@@ -9,6 +9,7 @@
       ◀──────────── ok(value) ─────────────
       rpc(C, g, (rref,))  ── forks ─▶ C ── ForkRequest ─▶ B;  C ── ChildAccept ─▶ A
       rpc(B, g, (rref,))  ── home ──▶ B; the answer to the call accepts the child
+      (an RRef in a request: its answer stands for the ChildAccept, see .state)
       del rref (GC)   ── Delete(id, fork) ─▶ drops the fork; the value is freed
                                              when no fork and no owner RRef remain
 
@@ -277,19 +278,19 @@ def _reduce_rref(rref: RRef) -> tuple:
             fork = st.fork_from_owner(rid, to)
     else:  # user → anyone: held as a pending child until accepted (G2)
         fork = st.fork_from_user(rid, to, rref)
-    # home in a request: the answer to it accepts the child (see came_home)
-    home_in_request = fork is not None and to == rref._owner and wire.refs_ok
+    # a user's fork in a request: the answer to it accepts the child
+    by_answer = fork is not None and not rref.is_owner() and wire.refs_ok
     if fork is not None:  # (the hooks must not hold the RRef: the call may be long)
         wire.on_unsent(lambda: ctx.undo_fork(rid, fork))
-        if home_in_request:
-            wire.on_answered(lambda: ctx.accepted_by_answer(rid, fork, to))
+        if by_answer:
+            wire.on_answered(lambda pending: ctx.accepted_by_answer(rid, fork, to, pending))
         ctx._event("forked", rref._id, fork, to, f"to {wire.agent.peer_name(to)}")
     return _rebuild_rref, (rref._id, rref._owner, fork, st.rank, rref.is_owner(), rref._site,
-                           home_in_request)
+                           by_answer)
 
 
 def _rebuild_rref(rref_id: RRefId, owner: int, fork: ForkId | None, parent: int,
-                  from_owner: bool, site: str, home_in_request: bool = False) -> RRef:
+                  from_owner: bool, site: str, by_answer: bool = False) -> RRef:
     wire = current_context()
     if not isinstance(wire, Wire):
         raise NbrpcError("an RRef can only be unpickled inside an RPC message")
@@ -298,12 +299,15 @@ def _rebuild_rref(rref_id: RRefId, owner: int, fork: ForkId | None, parent: int,
     rref_id, fork = RRefId(*rref_id), None if fork is None else RRefId(*fork)
     if owner == agent.rank:  # it came home: an owner-side object; the parent may let go
         rref = RRef._new(agent, owner, site, rref_id)
-        ctx.send(ctx.state.came_home(rref_id, fork, parent, home_in_request))
+        ctx.send(ctx.state.came_home(rref_id, fork, parent, by_answer))
         return rref
     rref = RRef._new(agent, owner, site, rref_id, fork)
     if not from_owner:  # as PyTorch: a request's function runs once the owner knows
         wire.run_after(ctx.await_fork(fork))  # of its user RRefs (confirmed_by_owner())
-    ctx.send(ctx.state.user_arrived(rref_id, owner, fork, parent, from_owner, site))
+        if by_answer:  # the answer tells the parent, or says the fork is still pending
+            wire.on_answering(lambda: ctx.state.unsettled_at_answer(fork))
+    ctx.send(ctx.state.user_arrived(rref_id, owner, fork, parent, from_owner, site,
+                                    by_answer and not from_owner))
     return rref
 
 

@@ -28,6 +28,10 @@ Forking (an RRef pickled into a message for ``to``)::
       A ──(rref F)──▶ C ── ForkRequest(F) ──▶ owner     adds {F: C}
                       C ◀──────── ok ──────── owner
       A ◀── ChildAccept(F) ── C                         A drops Child F
+                     If F came in a request, C sends no ChildAccept: its
+                     answer to that request (after F was confirmed: the
+                     request's function waits for that) lets A drop F, unless
+                     the answer lists F as still pending.
     delete           user ── Delete(F) ──▶ owner        drops F (G1)
 
 Every message is idempotent: the owner remembers deleted forks (tombstones),
@@ -132,6 +136,9 @@ class UserFork:
     state: str = PENDING
     released: bool = False  # the RRef object is gone; delete once confirmed
     created: float = field(default_factory=time.time)
+    # it came in a request: the answer to it tells the parent (no ChildAccept),
+    # unless it is still pending when answered (see unsettled_at_answer)
+    by_answer: bool = False
 
 
 @dataclass
@@ -318,11 +325,12 @@ class RRefState:
             return fork
 
     def user_arrived(self, rref_id: RRefId, owner: int, fork: ForkId, parent: int,
-                     confirmed: bool, site: str) -> Outbox:
-        """A fork of someone else's RRef arrived from ``parent``."""
+                     confirmed: bool, site: str, by_answer: bool = False) -> Outbox:
+        """A fork of someone else's RRef arrived from ``parent`` (``by_answer``:
+        in a request, whose answer will tell the parent it may let go)."""
         with self._lock:
             user = UserFork(rref_id, fork, owner, parent, site,
-                            CONFIRMED if confirmed else PENDING)
+                            CONFIRMED if confirmed else PENDING, by_answer=by_answer)
             self.users[fork] = user
             if confirmed:  # the owner itself sent it: already registered
                 return []
@@ -348,11 +356,22 @@ class RRefState:
                 return []
             user.state = state
             out: Outbox = []
-            if user.parent is not None:
+            if user.parent is not None and not user.by_answer:
                 out.append((user.parent, ChildAccept(user.rref_id, fork)))
             if user.released:
                 out += self._delete(user)
             return out
+
+    def unsettled_at_answer(self, fork: ForkId) -> list[ForkId]:
+        """The request that brought ``fork`` is being answered: ``[]`` if the fork
+        is settled (the answer lets the parent go), else ``[fork]`` (the answer
+        says so, and the parent waits for the ChildAccept its settling sends)."""
+        with self._lock:
+            user = self.users.get(fork)
+            if user is None or not user.by_answer or user.state != PENDING:
+                return []
+            user.by_answer = False
+            return [fork]
 
     def release_user(self, fork: ForkId) -> Outbox:
         """The user RRef object was garbage-collected."""
