@@ -402,7 +402,7 @@ def test_an_rref_sent_home_in_a_request_is_accepted_by_the_answer() -> None:
     assert net.s[A].children and not net.freed and net.owned(OWNER, r.rref_id)
     # the request arrives: the owner makes its owner-side RRef, sends nothing
     net.s[OWNER].own(r.rref_id, "site")
-    assert net.s[OWNER].came_home(r.rref_id, fork, A, in_request=True) == []
+    assert net.s[OWNER].came_home(r.rref_id, fork, A, by_answer=True) == []
     assert net.s[OWNER].came_home(r.rref_id, fork, A) == [(A, ChildAccept(r.rref_id, fork))]
     child = net.s[A].on_child_accept(fork)  # the answer came
     net._collect(child.keepalive)

@@ -109,7 +109,7 @@ class RRef(Generic[T]):
     >>> shutdown()
     """
 
-    __slots__ = ("_agent", "_ctx", "_id", "_fork", "_owner", "_site", "_attrs", "_creation",
+    __slots__ = ("_agent", "_ctx", "_id", "_fork", "_owner", "_site", "_attrs", "_creation_id",
                  "__weakref__")
 
     def __init__(self, value: T, type_hint: Any = None) -> None:
@@ -131,7 +131,7 @@ class RRef(Generic[T]):
         ctx: RRefContext = agent.ext["rref"]
         self._agent, self._ctx, self._owner, self._site, self._id = agent, ctx, owner, site, rref_id
         self._attrs: set[str] = set()  # names the value is known to have (remote() proxy)
-        self._creation: Any = None  # remote()'s request, until to_here() looked at it
+        self._creation_id: int | None = None  # remote()'s queued request, until to_here()
         ctx.live.add(self)
         if owner == agent.rank:
             self._fork = None
@@ -204,8 +204,7 @@ class RRef(Generic[T]):
         # (deferred): then it goes first on the same channel (``along``) and the
         # owner's channel thread creates the value and answers both, in order.
         pending = self._state() == PENDING
-        creation, self._creation = self._creation, None
-        along = creation.msg_id if pending and creation is not None else None
+        along, self._creation_id = self._creation_id if pending else None, None
         return agent.request(self._owner, Fetch(self._id, pending, timeout), timeout,
                              keep=self, inline=True, tagged=True, sync=True,
                              along=along).wait()
@@ -307,7 +306,7 @@ def _rebuild_rref(rref_id: RRefId, owner: int, fork: ForkId | None, parent: int,
         if by_answer:  # the answer tells the parent, or says the fork is still pending
             wire.on_answering(lambda: ctx.state.unsettled_at_answer(fork))
     ctx.send(ctx.state.user_arrived(rref_id, owner, fork, parent, from_owner, site,
-                                    by_answer and not from_owner))
+                                    by_answer))
     return rref
 
 
@@ -441,7 +440,7 @@ def remote(agent: Agent, to: Any, fn: Any, args: tuple, kwargs: dict, timeout: f
     msg = Remote(fn, tuple(args), dict(kwargs), rref._id, rref._fork, rref._site)
     then = None if rref._fork is None else ctx.creation_hook(rref._id, rref._fork, owner)
     try:
-        rref._creation = agent.request(owner, msg, timeout, keep=keep, then=then)
+        rref._creation_id = agent.request(owner, msg, timeout, keep=keep, then=then).msg_id
     except BaseException:
         if rref._fork is not None:  # never sent: nothing to delete on the owner
             ctx.send(ctx.state.on_failed(rref._fork))

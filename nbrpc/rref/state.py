@@ -233,12 +233,12 @@ class RRefState:
             return fork
 
     def came_home(self, rref_id: RRefId, fork: ForkId | None, parent: int,
-                  in_request: bool = False) -> Outbox:
+                  by_answer: bool = False) -> Outbox:
         """An RRef arrived at its owner: the caller makes an owner-side object
         (see :meth:`own`); the sending user may stop holding its child. It is
         told so by a ChildAccept, or, for an RRef in a request, by the answer
         to that request (no message of its own)."""
-        if fork is None or parent == self.rank or in_request:
+        if fork is None or parent == self.rank or by_answer:
             return []
         return [(parent, ChildAccept(rref_id, fork))]
 

@@ -37,11 +37,13 @@ class Link(Protocol):
 class Dealer:
     """A peer's outgoing socket, its lock and the messages waiting for the lock."""
 
-    __slots__ = ("peer", "sock", "monitor", "lock", "queue", "flush_due", "sent_msgs",
-                 "sent_bytes")
+    __slots__ = ("peer", "note_drop", "sock", "monitor", "lock", "queue", "flush_due",
+                 "sent_msgs", "sent_bytes")
 
-    def __init__(self, peer: int, sock: Link, monitor: zmq.Socket | None = None) -> None:
+    def __init__(self, peer: int, note_drop: Callable[[str, str], None], sock: Link,
+                 monitor: zmq.Socket | None = None) -> None:
         self.peer = peer
+        self.note_drop = note_drop  # counts a message the socket cannot take
         self.sock = sock
         self.monitor = monitor  # a zmq socket's monitor; None for a Unix socket
         self.lock = threading.Lock()
@@ -49,7 +51,7 @@ class Dealer:
         self.flush_due = False  # the I/O thread will flush (deferred messages wait)
         self.sent_msgs = self.sent_bytes = 0  # under lock
 
-    def flush(self, note_drop: Callable[[str, str], None]) -> None:
+    def flush(self) -> None:
         """Send what is queued. Combining: whoever holds the lock sends
         everything queued; a thread that finds it taken leaves and never
         sleeps. A message the socket cannot take is counted by ``note_drop``."""
@@ -70,7 +72,7 @@ class Dealer:
                         else:
                             sock.send_multipart(out, copy=False)
                     except BufferError as e:  # a Unix socket whose peer reads nothing
-                        note_drop("send queue full", str(e))
+                        self.note_drop("send queue full", str(e))
                         continue
                     self.sent_msgs += 1
                     self.sent_bytes += size

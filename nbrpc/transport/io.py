@@ -169,7 +169,7 @@ class IOLoop:
                 adopt=lambda r: self.call_soon(self._unix.adopt, r), name=self._name)
             self._unix = unix.UnixHub(
                 where, self._token, size, deliver=self.deliver, note_drop=self.note_drop,
-                call_later=self.call_later, drain=self._flush, links=self._links,
+                call_later=self.call_later, links=self._links,
                 name=self._name, serve_channel=self.channels.serve)
         except OSError as e:
             log.debug("%s: no Unix domain socket (%s); peers on this host use TCP",
@@ -211,7 +211,7 @@ class IOLoop:
         elif redial:  # (what the old connection still holds drains, bounded by its linger)
             self.call_soon(self._drop_dealer, peer, LINGER_MS)
         if dealer is not None:
-            self._flush(dealer)
+            dealer.flush()
 
     def forget(self, peer: int) -> None:
         with self._dealers_lock:
@@ -289,7 +289,7 @@ class IOLoop:
         overtake it goes another way: this thread's channel)."""
         dealer = self._dealers.get(peer)
         if dealer is not None and dealer.queue:
-            self._flush(dealer)
+            dealer.flush()
 
     def take_queued(self, peer: int, msg_id: int) -> list | None:
         """The frames of deferred message ``msg_id`` to ``peer``, taken out
@@ -344,7 +344,7 @@ class IOLoop:
             return
         dealer.queue.append(entry)
         if not defer:
-            self._flush(dealer)
+            dealer.flush()
         elif not dealer.flush_due:  # (a flush already due sends this one too)
             dealer.flush_due = True
             self.call_soon(self._flush_due, dealer)
@@ -352,7 +352,7 @@ class IOLoop:
     def _flush_due(self, dealer: Dealer) -> None:
         dealer.flush_due = False  # (before the flush: a later deferral schedules anew)
         if self._dealers.get(dealer.peer) is dealer:
-            self._flush(dealer)
+            dealer.flush()
         else:  # dropped meanwhile (a redial): what it holds goes on the new connection
             self._requeue(dealer)
 
@@ -365,9 +365,6 @@ class IOLoop:
             dealer.queue.clear()
         for entry in entries:
             self._send_frames(dealer.peer, entry, defer=True)
-
-    def _flush(self, dealer: Dealer) -> None:
-        dealer.flush(self.note_drop)
 
     def _open_dealer(self, peer: int, entry: tuple) -> Dealer | None:
         """The connection to ``peer``, made now; None when the message (``entry``)
@@ -399,7 +396,8 @@ class IOLoop:
         if endpoint is not None and endpoint.startswith("unix://"):
             return self._new_unix_dealer(peer, endpoint)
         self._links[peer] = time.monotonic()  # down until connected
-        dealer = self._dealers[peer] = Dealer(peer, *self._zmq.connect(endpoint or address))
+        dealer = self._dealers[peer] = Dealer(peer, self.note_drop,
+                                             *self._zmq.connect(endpoint or address))
         self.call_soon(self._watch, peer, dealer)
         return dealer
 
@@ -407,7 +405,7 @@ class IOLoop:
         """A plain Unix socket to ``peer`` (see :mod:`.unix`)."""
         sender = unix.UnixSender(endpoint, self._token,
                                  lambda s: self.call_soon(self._unix.want_write, s))
-        dealer = self._dealers[peer] = Dealer(peer, sender)
+        dealer = self._dealers[peer] = Dealer(peer, self.note_drop, sender)
         self._links[peer] = None if sender.connected else time.monotonic()
         self.call_soon(self._watch, peer, dealer)
         return dealer
@@ -473,7 +471,7 @@ class IOLoop:
             self._shm.close()
         with self._dealers_lock:
             for dealer in self._dealers.values():
-                dealer.flush(self.note_drop)  # (deferred messages a last flush missed)
+                dealer.flush()  # (deferred messages a last flush missed)
                 with dealer.lock:
                     dealer.sock.close(linger=LINGER_MS)
                 close_monitor(dealer)

@@ -401,12 +401,11 @@ class UnixHub:
 
     def __init__(self, path: str, token: bytes, max_size: int, *,
                  deliver: Callable[[list], None], note_drop: Callable[[str, str], None],
-                 call_later: Callable, drain: Callable, links: dict, name: str,
+                 call_later: Callable, links: dict, name: str,
                  serve_channel: Callable[[UnixReceiver, list], bool] | None = None) -> None:
         self.listener = listen(path)
         self._token, self._max = token, max_size
         self._deliver, self._note_drop, self._call_later = deliver, note_drop, call_later
-        self._drain = drain  # sends what a dealer's senders left (see _locked)
         self._links, self._name = links, name
         self._serve_channel = serve_channel  # (receiver, first messages) -> taken?
         # (keyed by file descriptor: that is what zmq's poller reports for them)
@@ -531,10 +530,10 @@ class UnixHub:
     def _locked(self, dealer, fn: Callable[[], Any]) -> Any:
         """``fn()`` under ``dealer``'s lock. Senders combine on that lock: one
         that finds it taken leaves its frames for the holder, so this sends
-        what was left meanwhile (``drain``) once it lets go."""
+        what was left meanwhile once it lets go."""
         with dealer.lock:
             result = fn()
-        self._drain(dealer)
+        dealer.flush()
         return result
 
     def _on_sender_event(self, fd: int, events: int) -> None:
