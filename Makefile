@@ -31,23 +31,34 @@ define install
 	touch $@
 endef
 
+# The test extras hold the lab's, so the test environment also serves `make lab`.
 $(STAMP): pyproject.toml
 	$(call install,test)
+	touch $(LAB_STAMP)
 
 $(LAB_STAMP): pyproject.toml
 	$(call install,lab)
 
-# JupyterLab on the tutorials (`make test` does not install JupyterLab: CI time).
+# JupyterLab on the tutorials, as root or not (tools/lab.py adds --allow-root for
+# root and prints the URL): opened from copies in $(LAB_DIR)/, made once and never
+# overwritten, so a reader's runs and autosaves leave the tracked notebooks/ clean.
+# Extra JupyterLab arguments: make lab LAB_ARGS="--port 9999 --no-browser".
+LAB_DIR  ?= lab
+LAB_ARGS ?=
 lab: $(LAB_STAMP)
-	$(VENV)/bin/jupyter lab --ip=127.0.0.1 notebooks/
+	@mkdir -p $(LAB_DIR)
+	@for nb in notebooks/*.ipynb; do \
+	  [ -e "$(LAB_DIR)/$${nb#notebooks/}" ] || cp "$$nb" "$(LAB_DIR)/"; \
+	done
+	$(PY) tools/lab.py $(LAB_DIR) $(LAB_ARGS)
 
 test: $(STAMP) browser-deps
-	$(PY) -m ruff check nbrpc tests benchmarks examples
+	$(PY) -m ruff check nbrpc tests benchmarks examples tools
 	$(PYTEST)
 	$(PYTEST) $(NBVAL) notebooks/
 
 test-fast: $(STAMP)
-	$(PYTEST) -m "not multiprocess and not torch_rpc and not cluster and not netns and not browser and not faults and not binder and not torch_suites"
+	$(PYTEST) -m "not multiprocess and not torch_rpc and not cluster and not netns and not browser and not faults and not binder and not torch_suites and not lab"
 
 test-notebooks: $(STAMP)
 	$(PYTEST) $(NBVAL) notebooks/
@@ -85,7 +96,7 @@ browser-deps:
 	fi
 
 lint: $(STAMP)
-	$(PY) -m ruff check nbrpc tests benchmarks examples
+	$(PY) -m ruff check nbrpc tests benchmarks examples tools
 
 bench: $(STAMP)
 	$(PY) benchmarks/bench_rpc.py

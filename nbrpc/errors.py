@@ -19,7 +19,8 @@ subclasses ``RuntimeError`` too, so code written against
     ├── ShutdownError              the agent is shutting down
     ├── RemoteError                a remote failure whose type did not unpickle
     ├── BackwardStageError         a distributed backward stage raised on a worker
-    └── CompositeError             several workers failed in one fan-out (every one listed)
+    ├── CompositeError             several workers failed in one fan-out (every one listed)
+    └── CellError                  a cell run with %%rpc_on raised on one or more workers
 """
 
 from __future__ import annotations
@@ -93,7 +94,26 @@ class WorkerGoneError(NbrpcError, ConnectionError):
 
 
 class SerializationError(NbrpcError):
-    """An argument, a result or an exception could not be pickled."""
+    """An argument, a result or an exception could not be pickled.
+
+    ``path`` names the part that did not pickle when it is known
+    (``args[0]``, ``kwargs['opts'].lock``, ``result['k']``), ``worker`` the
+    worker the value was going to or coming from.
+
+    >>> import pickle
+    >>> e = SerializationError("could not pickle argument 0", "args[0]", "worker1")
+    >>> e.path, e.worker, pickle.loads(pickle.dumps(e)).path
+    ('args[0]', 'worker1', 'args[0]')
+    """
+
+    def __init__(self, message: str, path: str | None = None, worker: str | None = None
+                 ) -> None:
+        super().__init__(message)
+        self.path = path
+        self.worker = worker
+
+    def __reduce__(self):
+        return (SerializationError, (self.args[0], self.path, self.worker))
 
 
 class CodeCacheMiss(SerializationError):
@@ -220,3 +240,36 @@ class CompositeError(NbrpcError):
         NbrpcError.__init__(e, message)
         e.errors = dict.fromkeys(workers)
         return e
+
+
+class CellError(NbrpcError):
+    """A cell run with ``%%rpc_on`` raised on one or more workers.
+
+    ``errors`` maps each such worker to its error's type name, message and
+    traceback (the worker's own, as its IPython wrote it). In IPython the
+    error shows those tracebacks, each headed by its worker's name, and
+    nothing of the magic that ran the cell.
+
+    >>> e = CellError({"worker1": ("ZeroDivisionError", "division by zero",
+    ...                            "Cell In[3], line 1\\nZeroDivisionError: division by zero")})
+    >>> str(e)
+    'the cell failed on worker1: ZeroDivisionError: division by zero'
+    >>> e._render_traceback_()[:2]
+    ['[worker1]', 'Cell In[3], line 1']
+    """
+
+    def __init__(self, errors: dict[str, tuple[str, str, str]]) -> None:
+        self.errors = dict(errors)
+        parts = [f"{w}: {name}: {message}" for w, (name, message, _) in self.errors.items()]
+        super().__init__("the cell failed on " + "; on ".join(parts))
+
+    def __reduce__(self):
+        return (CellError, (self.errors,))
+
+    def _render_traceback_(self) -> list[str]:
+        """IPython shows each worker's traceback instead of the local one."""
+        lines: list[str] = []
+        for worker, (name, message, tb) in self.errors.items():
+            lines.append(f"[{worker}]")
+            lines += (tb.rstrip() or f"{name}: {message}").splitlines()
+        return lines

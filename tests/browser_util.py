@@ -10,7 +10,10 @@ then whatever it had started that is still alive (each by pid).
 
 :class:`Notebook` is one open notebook page: wait for its kernel, Run All
 through the Run menu, wait (bounded) until every cell has run, save, read
-back the saved outputs, find widgets, take screenshots.
+back the saved outputs, find widgets, take screenshots; and check how a view
+reads: switch JupyterLab's theme, size the window for a given notebook column,
+and measure every text's contrast and any overflow in the page
+(``READABILITY_JS``).
 
 Nothing here downloads a browser: :func:`chromium_path` finds Debian's
 ``chromium`` (or ``$NBRPC_CHROMIUM``) and the tier skips, saying why, when
@@ -325,6 +328,67 @@ class Notebook:
         text = self.page.locator(SHOWN).text_content() or ""  # off-screen cells too
         assert WIDGET_ERROR not in text, _around(text, WIDGET_ERROR)
 
+    def set_theme(self, theme: str, timeout: float = 30.0) -> None:
+        """Switch the page's theme (``LIGHT``, ``DARK``) as the Settings menu does."""
+        if self.app == "lab":
+            self.page.evaluate("t => window.jupyterapp.commands.execute("
+                               "'apputils:change-theme', {theme: t})", theme)
+        else:  # Notebook 7 exposes no app object: its settings menu then
+            self.page.click(".lm-MenuBar-itemLabel:text-is('Settings')")
+            self.page.click(".lm-Menu-itemLabel:text-is('Theme')")
+            self.page.click(f".lm-Menu-itemLabel:text-is('{theme}')")
+        light = "true" if theme == LIGHT else "false"
+        wait_until(lambda: self.page.evaluate(
+            f"document.body.dataset.jpThemeLight === '{light}' && "
+            f"document.body.dataset.jpThemeName === '{theme}'"), timeout, f"the {theme} theme")
+        self.page.wait_for_timeout(300)  # (its stylesheet applied and laid out)
+
+    def fit_column(self, view: Any, width: int) -> int:
+        """Resize the window so that ``view``'s output area is ``width`` px wide
+        (the notebook's column, less its prompt); the window's width."""
+        area = view.locator("xpath=ancestor::*[contains(@class, 'jp-OutputArea-output')][1]")
+        viewport = self.page.viewport_size
+        for _ in range(3):  # the column follows the window less a fixed margin
+            got = area.evaluate("e => e.getBoundingClientRect().width")
+            if abs(got - width) <= 1:
+                break
+            viewport = {"width": int(viewport["width"] + width - got),
+                        "height": viewport["height"]}
+            self.page.set_viewport_size(viewport)
+            self.page.wait_for_timeout(300)
+        return viewport["width"]
+
+    def readability(self, view: Any) -> dict[str, Any]:
+        """``view``'s contrast and overflow problems (see ``READABILITY_JS``), its
+        least contrast and how many SVG texts it has."""
+        view.scroll_into_view_if_needed()
+        return view.evaluate(READABILITY_JS)
+
+    def palette(self, view: Any) -> dict[str, Any]:
+        """The text classes of view.css (``.nbrpc-state-*``, ``.nbrpc-kind-*``,
+        ``.nbrpc-muted``) drawn in ``view``, on its background and on a panel's,
+        checked as ``READABILITY_JS`` checks a view (then taken away)."""
+        classes = sorted(set(re.findall(r"\.(nbrpc-(?:state|kind)-[\w-]+|nbrpc-muted)\b",
+                                        VIEW_CSS.read_text())))
+        return view.evaluate(f"""(root, classes) => {{
+            const check = {READABILITY_JS};
+            const box = document.createElement("div");
+            for (const where of ["nbrpc-swatches", "nbrpc-panel"]) {{
+                const row = document.createElement("div");
+                row.className = where;
+                for (const c of classes) {{
+                    const span = document.createElement("span");
+                    span.className = c;
+                    span.textContent = c + " ";
+                    row.append(span);
+                }}
+                box.append(row);
+            }}
+            root.append(box);
+            try {{ return Object.assign(check(box), {{classes: classes.length}}); }}
+            finally {{ box.remove(); }}
+        }}""", classes)
+
     def screenshot(self, locator: Any, path: Path) -> Path:
         """A PNG of ``locator``, its drawing scrolled back to the top left."""
         locator.scroll_into_view_if_needed()
@@ -332,6 +396,161 @@ class Notebook:
         path.parent.mkdir(parents=True, exist_ok=True)
         locator.screenshot(path=str(path))
         return path
+
+
+# -- readability: themes, a narrow column, contrast and overflow -----------------------
+LIGHT, DARK = "JupyterLab Light", "JupyterLab Dark"
+VIEW_CSS = Path(__file__).resolve().parent.parent / "nbrpc" / "jupyter" / "static" / "view.css"
+AA = 4.5  # WCAG AA's least contrast for normal text (3:1 for large text)
+
+# In the page: every problem of one view root (`root`) that a reader would meet.
+#  contrast: each visible text (an HTML element's own text, an SVG <text>) against
+#    what is painted behind it: the HTML backgrounds under it composited from the
+#    first opaque one, then, for SVG text, the filled shapes drawn before it that
+#    cover its centre; the text's colour counts its fill-opacity and opacities.
+#  overflow: the view wider than its output area; any element past the view's
+#    right edge that is not inside a scrolling box; a box that cuts its text off
+#    (overflow hidden, no ellipsis); SVG text outside its drawing, or running out
+#    of the shape it is written in; two SVG texts on top of each other.
+READABILITY_JS = r"""
+(root) => {
+  const parse = (c) => {
+    let m = /^rgba?\(([\d.]+),\s*([\d.]+),\s*([\d.]+)(?:,\s*([\d.]+))?\)$/.exec(c);
+    if (m) return [+m[1], +m[2], +m[3], m[4] === undefined ? 1 : +m[4]];
+    m = /^color\(srgb ([\d.e-]+) ([\d.e-]+) ([\d.e-]+)(?: \/ ([\d.]+))?\)$/.exec(c);
+    if (m) return [m[1] * 255, m[2] * 255, m[3] * 255, m[4] === undefined ? 1 : +m[4]];
+    return null;  // none, url(...), transparent keywords already come back as rgba
+  };
+  const over = (top, under) => {  // top (with alpha) painted over an opaque colour
+    const a = top[3];
+    return [0, 1, 2].map(i => top[i] * a + under[i] * (1 - a)).concat([1]);
+  };
+  const lum = (c) => {
+    const [r, g, b] = c.slice(0, 3).map(v => {
+      v /= 255; return v <= 0.04045 ? v / 12.92 : Math.pow((v + 0.055) / 1.055, 2.4); });
+    return 0.2126 * r + 0.7152 * g + 0.0722 * b;
+  };
+  const ratio = (a, b) => {
+    const [hi, lo] = [lum(a), lum(b)].sort((x, y) => y - x);
+    return (hi + 0.05) / (lo + 0.05);
+  };
+  const opacity = (el) => {  // the product of the opacities from el up to the page
+    let o = 1;
+    for (let e = el; e && e.nodeType === 1; e = e.parentElement)
+      o *= +getComputedStyle(e).opacity;
+    return o;
+  };
+  const htmlBackground = (el) => {
+    const layers = [];
+    for (let e = el; e && e.nodeType === 1; e = e.parentElement) {
+      if (e instanceof SVGElement && !(e instanceof SVGSVGElement)) continue;
+      const c = parse(getComputedStyle(e).backgroundColor);
+      if (c && c[3] > 0) { layers.push(c); if (c[3] >= 1) break; }
+    }
+    let bg = [255, 255, 255, 1];
+    for (const c of layers.reverse()) bg = over(c, bg);
+    return bg;
+  };
+  const shown = (el) => el.getClientRects().length > 0
+    && getComputedStyle(el).visibility !== "hidden";
+  const name = (el) => {
+    const txt = (el.textContent || "").trim().slice(0, 40);
+    const cls = el.getAttribute("class") ? "." + el.getAttribute("class").split(" ")[0] : "";
+    return `<${el.tagName.toLowerCase()}${cls}> "${txt}"`;
+  };
+  const problems = [];
+  let least = Infinity;
+  const check = (el, fg, bg) => {
+    const st = getComputedStyle(el);
+    const size = parseFloat(st.fontSize), bold = parseInt(st.fontWeight) >= 700;
+    const need = size >= 24 || (size >= 18.66 && bold) ? 3 : %(AA)s;
+    const r = ratio(over(fg, bg), bg);
+    least = Math.min(least, r);
+    if (r < need)
+      problems.push(`contrast ${r.toFixed(2)}:1 < ${need}:1: ${name(el)} (text ` +
+        `${fg.map(v => +v.toFixed(2))} on ${bg.map(v => Math.round(v))})`);
+  };
+  // HTML text: each element with text of its own, outside the SVG drawings
+  for (const el of [root, ...root.querySelectorAll("*")]) {
+    if (el.closest("svg") || el.matches("script, style, title") || !shown(el)) continue;
+    if (el.matches(":disabled, :disabled *")) continue;  // WCAG: inactive controls exempt
+    const own = Array.from(el.childNodes).some(n => n.nodeType === 3 && n.nodeValue.trim());
+    if (!own) continue;
+    const fg = parse(getComputedStyle(el).color);
+    fg[3] *= opacity(el);
+    check(el, fg, htmlBackground(el));
+  }
+  // SVG text, over what its drawing paints before it
+  const texts = Array.from(root.querySelectorAll("svg text")).filter(shown);
+  for (const t of texts) {
+    const svg = t.ownerSVGElement, box = t.getBoundingClientRect();
+    const cx = (box.left + box.right) / 2, cy = (box.top + box.bottom) / 2;
+    let bg = htmlBackground(svg);
+    for (const shape of svg.querySelectorAll("rect, circle, ellipse, polygon, path")) {
+      if (!(shape.compareDocumentPosition(t) & Node.DOCUMENT_POSITION_FOLLOWING)) break;
+      if (shape.closest("defs, marker") || !shown(shape)) continue;
+      const r = shape.getBoundingClientRect();
+      if (cx < r.left || cx > r.right || cy < r.top || cy > r.bottom) continue;
+      const st = getComputedStyle(shape), fill = parse(st.fill);
+      if (!fill) continue;
+      fill[3] *= +st.fillOpacity * opacity(shape);
+      if (fill[3] > 0) bg = over(fill, bg);
+    }
+    const st = getComputedStyle(t), fg = parse(st.fill);
+    if (!fg) { problems.push(`unpainted text ${name(t)}`); continue; }
+    fg[3] *= +st.fillOpacity * opacity(t);
+    check(t, fg, bg);
+    // inside its drawing, and inside the box it is written in (a shape drawn
+    // just before it in its group that holds its start)
+    const sr = svg.getBoundingClientRect();
+    if (box.left < sr.left - 1 || box.right > sr.right + 1)
+      problems.push(`text cut by the drawing's edge: ${name(t)}`);
+    let prev = t.previousElementSibling;
+    while (prev && prev.tagName === "text") prev = prev.previousElementSibling;
+    if (prev && prev.tagName === "rect") {
+      const r = prev.getBoundingClientRect();
+      if (box.left >= r.left - 1 && box.left <= r.right && cy >= r.top && cy <= r.bottom
+          && box.right > r.right + 1)
+        problems.push(`text runs out of its box by ${(box.right - r.right).toFixed(0)} px: ` +
+                      name(t));
+    }
+  }
+  // SVG texts on top of each other
+  const boxes = texts.map(t => [t, t.getBoundingClientRect()]);
+  for (let i = 0; i < boxes.length; i++)
+    for (let j = i + 1; j < boxes.length; j++) {
+      const [a, ra] = boxes[i], [b, rb] = boxes[j];
+      const w = Math.min(ra.right, rb.right) - Math.max(ra.left, rb.left);
+      const h = Math.min(ra.bottom, rb.bottom) - Math.max(ra.top, rb.top);
+      if (w > 1 && h > 2 && a.ownerSVGElement === b.ownerSVGElement)
+        problems.push(`texts overlap: ${name(a)} and ${name(b)}`);
+    }
+  // overflow
+  const out = root.closest(".jp-OutputArea-output") || root.parentElement;
+  const rr = root.getBoundingClientRect(), or = out.getBoundingClientRect();
+  if (rr.right > or.right + 1 || root.scrollWidth > root.clientWidth + 1)
+    problems.push(`the view (${rr.width.toFixed(0)} px, content ${root.scrollWidth} px) is ` +
+                  `wider than its output area (${or.width.toFixed(0)} px)`);
+  const scrolls = (e) => ["auto", "scroll"].includes(getComputedStyle(e).overflowX);
+  for (const el of root.querySelectorAll("*")) {
+    if (el.closest("svg") && !(el instanceof SVGSVGElement)) continue;
+    if (!shown(el)) continue;
+    let inScroller = false;
+    for (let e = el.parentElement; e && e !== root; e = e.parentElement)
+      if (scrolls(e)) { inScroller = true; break; }
+    const r = el.getBoundingClientRect();
+    if (!inScroller && r.width > 0 && r.right > rr.right + 1)
+      problems.push(`past the view's right edge by ${(r.right - rr.right).toFixed(0)} px: ` +
+                    name(el));
+    const st = getComputedStyle(el);
+    if (["hidden", "clip"].includes(st.overflowX) && st.textOverflow !== "ellipsis"
+        && el.scrollWidth > el.clientWidth + 1)
+      problems.push(`box cuts its content off (${el.scrollWidth} > ${el.clientWidth} px): ` +
+                    name(el));
+  }
+  return {problems, least: least === Infinity ? null : least, texts: texts.length};
+}
+""".replace("%(AA)s", str(AA))
 
 
 def view_outputs(nb: dict[str, Any]) -> list[int]:

@@ -234,7 +234,9 @@ def test_the_live_view_marks_a_killed_worker_dead_and_its_button_restarts_it(
         poll_or_fail(lambda: view["worker2"].state == "dead", 8,
                      lambda: f"worker2 shown dead; the view shows:\n{view.text()}")
         assert time.monotonic() - t0 < 6
-        assert 'background:#fdecea' in view.html and "1 ready, 1 dead" in view.title
+        from nbrpc.jupyter.cluster_view import DEAD_BACKGROUND
+
+        assert f"background:{DEAD_BACKGROUND}" in view.html and "1 ready, 1 dead" in view.title
 
         view.on_select("restart:worker2")  # the row's button: returns at once
         assert view.action_running or "done: restarting worker2" in view.status

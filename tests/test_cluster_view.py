@@ -19,7 +19,8 @@ from conftest import poll_for
 
 from nbrpc.cluster import ClusterStatus, WorkerStatus
 from nbrpc.jupyter import cluster_view
-from nbrpc.jupyter.cluster_view import MAX_ROWS, ClusterView, cluster_html
+from nbrpc.jupyter.cluster_view import DEAD_BACKGROUND, MAX_ROWS, ClusterView, cluster_html
+from nbrpc.jupyter.view import GONE
 
 SANITIZE = Path(__file__).resolve().parents[1] / "notebooks" / "nbval_sanitize.cfg"
 
@@ -93,26 +94,40 @@ def scripted() -> Scripted:
 # -- the table ---------------------------------------------------------------------
 def test_the_table_has_every_column_and_marks_what_varies() -> None:
     page = cluster_html(status(), {"driver": 2.0, "worker1": 5.5})
-    for column in ("name", "rank", "host", "pid", "state", "threads busy", "calls in flight",
-                   "owned RRefs", "bytes owned", "messages/s"):
-        assert f"<th>{column}</th>" in page
+    assert headers(page) == ["name", "rank", "host", "pid", "state", "threads busy",
+                             "calls in flight", "owned RRefs", "bytes owned", "messages/s",
+                             "note"]
     assert "<b>nbrpc cluster (fork launcher): 2 workers ready</b>" in page
-    assert "<td>host-b</td><td>11</td>" in page and "2.0 KiB" in page and "5.5" in page
+    assert "<td>host-b</td><td>11</td>" in page
+    assert "2.0 KiB" in page and "5.5" in page
     # another run: other hosts, pids, counters and rates; the same page for nbval
     other = cluster_html(status(pids=(20, 21, 22), messages=7), {"worker2": 1.0})
     assert other != page and sanitized(other) == sanitized(page)
     kept = sanitized(page)  # names, ranks and states are compared
     assert '<tr data-key="worker:worker2"><td><b>worker2</b></td><td>2</td>' in kept
-    assert '<b style="color:#2e7d32">ready</b>' in kept
+    # a state in view.css's theme shade, else its hue mixed with the text colour
+    assert ('<b style="color:var(--nbrpc-state-ready, color-mix(in srgb, #2e7d32 60%, '
+            'currentColor))">ready</b>') in kept
     assert "11" not in kept.replace("worker1", "")
 
 
 def test_a_dead_worker_is_highlighted_with_why() -> None:
     page = cluster_html(status(dead="worker2"))
     row = re.search(r'<tr data-key="worker:worker2"[^>]*>.*?</tr>', page).group(0)
-    assert 'style="background:#fdecea"' in row and '<b style="color:#c62828">dead</b>' in row
+    assert f'style="background:{DEAD_BACKGROUND}"' in row
+    assert re.search(r'<b style="color:var\(--nbrpc-state-dead, [^"]*#c62828[^"]*\)">dead</b>',
+                     row)
     assert "died (its engine process exited)" in row
     assert "1 ready, 1 dead" in page
+
+
+def headers(page: str) -> list[str]:
+    return re.findall(r"<th(?=[ >])[^>]*>([^<]*)</th>", page)
+
+
+def cells(row: str) -> list[str]:
+    """The cells of one table row, comments (the varies marks) left out."""
+    return re.findall(r"<td[^>]*>(.*?)</td>", re.sub(r"<!--.*?-->", "", row))
 
 
 def test_buttons_only_in_the_live_table_and_none_for_the_driver() -> None:
@@ -122,6 +137,35 @@ def test_buttons_only_in_the_live_table_and_none_for_the_driver() -> None:
     assert 'data-key="restart:worker1"' in page and " disabled>" not in page
     assert page.count(" disabled>") == 0
     assert cluster_html(status(), buttons=True, busy=True).count(" disabled>") == 2
+
+
+def test_every_cell_is_padded_and_restart_has_a_column_of_its_own() -> None:
+    page = cluster_html(status(dead="worker2"), {"worker1": 1.0}, buttons=True)
+    assert headers(page)[-2:] == ["note", "action"]
+    assert "less this view&#x27;s own status probes" in page  # messages/s says what it counts
+    for row in re.findall(r'<tr data-key="worker:[^"]+".*?</tr>', page):
+        row_cells = cells(row)
+        assert len(row_cells) == len(headers(page)), row_cells
+        note, action = row_cells[-2:]
+        assert "<button" not in note  # the note column holds only the note
+        assert ("<button" in action) == ('data-key="worker:driver"' not in row)
+    dead = re.search(r'<tr data-key="worker:worker2".*?</tr>', page).group(0)
+    assert cells(dead)[-2] == "died (its engine process exited)"
+    total = re.search(r"<tr style=[^>]*><td[^>]*><i>all</i>.*?</tr>", page).group(0)
+    assert len(cells(total)) == len(headers(page))
+    # the padding: a rule of the views' stylesheet for the table's class
+    css = re.sub(r"/\*.*?\*/", "", (Path(cluster_view.__file__).parent / "static" / "view.css")
+                 .read_text(), flags=re.S)
+    rule = re.search(r"\.nbrpc-cluster th, \.nbrpc-cluster td \{([^}]*)\}", css)
+    assert 'class="nbrpc-cluster"' in page and rule and "padding: 2px 8px" in rule.group(1)
+
+
+def test_the_static_table_keeps_the_markup_the_tutorials_saved() -> None:
+    """Saved notebooks compare the static table's HTML (nbval): no live-only parts."""
+    page = cluster_html(status(), {"worker1": 1.0})
+    assert headers(page)[-1] == "note" and "title=" not in page and "action" not in page
+    assert page.startswith('<div><b>nbrpc cluster (fork launcher): 2 workers ready</b>'
+                           '<table class="nbrpc-cluster"><thead><tr><th>name</th><th>rank</th>')
 
 
 def test_a_stopped_cluster_is_one_line() -> None:
@@ -167,14 +211,41 @@ def test_messages_per_second_are_the_difference_between_refreshes(
     assert view.rates == {}  # one refresh: no rate yet
     scripted.next, clock[0] = status(messages=300), 102.0
     view.refresh()
-    assert view.rates == {"driver": 100.0, "worker1": 100.0, "worker2": 200.0}
-    assert "<td>100.0</td>" in view.html and "<td>400.0</td>" in view.html  # the total
+    # the counters grew by 200, 200 and 400 in 2 s; of that, this view's probes are
+    # the request and reply on each worker, and both of them for each on the driver
+    assert view.rates == {"driver": 98.0, "worker1": 99.0, "worker2": 199.0}
+    assert "<td>99.0</td>" in view.html and "<td>396.0</td>" in view.html  # the total
     # worker2 restarted (another pid, its counters from zero): no rate for it
     scripted.next, clock[0] = status(pids=(10, 11, 99), messages=10), 103.0
     view.refresh()
     assert view.rates["worker2"] is None
     view.close()
 
+
+def test_an_idle_cluster_shows_no_messages_of_the_views_own_polling(
+        scripted: Scripted, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Counters that grow by exactly the view's probes read as 0 messages/s;
+    a worker that was not probed (dead) costs the driver nothing."""
+    clock = [0.0]
+    monkeypatch.setattr(cluster_view.time, "monotonic", lambda: clock[0])
+    view = ClusterView(scripted, live=False)
+    for tick in range(1, 4):
+        base = status(messages=0)
+        for w in base.workers:
+            w.messages = (4 if w.rank == 0 else 2) * tick  # 2 probes; request + reply
+        scripted.next, clock[0] = base, 0.5 * tick
+        view.refresh()
+        assert view.rates == {"driver": 0.0, "worker1": 0.0, "worker2": 0.0}
+    dead = status(dead="worker2")
+    dead.workers[0].messages, dead.workers[1].messages = 16, 8
+    scripted.next, clock[0] = dead, 2.0
+    view.refresh()  # the last refresh probed both; this one, worker1 only
+    assert view.rates["driver"] == 0.0 and view.rates["worker1"] == 0.0
+    dead.workers[0].messages, dead.workers[1].messages = 18 + 5, 10 + 5
+    clock[0] = 3.0
+    view.refresh()  # 5 messages of someone else's each: 5/s
+    assert view.rates["driver"] == 5.0 and view.rates["worker1"] == 5.0
+    view.close()
 
 def test_clicking_a_row_shows_its_details(scripted: Scripted) -> None:
     view = ClusterView(scripted, live=False)
@@ -196,7 +267,8 @@ def test_live_refresh_stops_when_the_cluster_stops_and_shows_it_stopped(
     scripted.state = "stopped"
     assert poll_for(lambda: not live_threads(), timeout=5)
     assert view.text() == "nbrpc cluster (no workers): stopped"
-    assert view.status.startswith("not live") and view.controls[1]["value"] is False
+    assert view.status.startswith("not live") and view.status.endswith(GONE)
+    assert view.controls[1]["value"] is False
     assert view.controls[2]["disabled"] is True  # nothing left to stop
     view.close()
 
@@ -252,3 +324,41 @@ def test_a_failing_status_is_said_in_the_status_line(scripted: Scripted) -> None
     view.refresh()
     assert "status failed: ConnectionError: agent gone" in view.status
     view.close()
+
+
+def test_a_stop_makes_every_older_view_of_the_cluster_say_so(scripted: Scripted) -> None:
+    older = ClusterView(scripted, live=False)
+    newer = ClusterView(scripted, live=False)
+    assert older.title == "nbrpc cluster (fork launcher): 2 workers ready"
+    newer.on_control("stop")
+    assert newer.wait_action(10)
+    for view in (older, newer):
+        assert view.title == "nbrpc cluster (no workers): stopped"
+        assert view.status.endswith(GONE) and view.gone
+        assert view.controls[2]["disabled"]  # Stop
+        assert not view.controls[0].get("disabled")  # Refresh still reads the cluster
+    scripted.state = "running"  # started again: the view comes back with Refresh
+    older.on_control("refresh")
+    assert not older.gone and not older.status.endswith(GONE)
+    assert older.title == "nbrpc cluster (fork launcher): 2 workers ready"
+    older.close()
+    newer.close()
+
+
+# -- the start's progress bar ----------------------------------------------------------
+def test_the_start_progress_bar_moves_with_every_step() -> None:
+    from nbrpc.jupyter.progress import WidgetProgress
+
+    bar = WidgetProgress(3, title="starting nbrpc workers")
+    # shown as a bar of 3 workers: the text a saved tutorial keeps of it
+    assert repr(bar.bar) == "IntProgress(value=0, max=3)"
+    seen = [bar.bar.value]
+    for step, message in [(0, "controller started"), (0, "engine zygote warm (torch imported)"),
+                          (1, "worker1 ready"), (1, "worker2 ready"), (1, "worker3 ready")]:
+        bar.update(step, message)
+        seen.append(bar.bar.value)
+        assert bar.label.value.endswith(message)
+    assert seen == sorted(seen) and len(set(seen)) == len(seen)  # every step moves it
+    assert seen[0] == 0 and 0 < seen[2] < bar.bar.max / 4 and seen[-1] == bar.bar.max
+    assert bar.label.value == "starting nbrpc workers: 3/3 worker3 ready"
+    bar.close()

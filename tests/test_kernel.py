@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -161,6 +162,41 @@ def test_interrupt_restart_and_start_again_in_one_kernel(kernel: Kernel) -> None
     assert _gone(pids, 10) == []
     # the live view's refresh ended with the cluster
     assert kernel.ok(LIVE_VIEWS_END).strip() == "[]"
+
+
+ANSI = re.compile(r"\x1b\[[0-9;]*m")  # the kernel's tracebacks are coloured
+
+
+def test_errors_name_the_cell_the_argument_and_the_worker(kernel: Kernel) -> None:
+    kernel.ok("%load_ext nbrpc\n%rpc_cluster start 1")
+    _, content = kernel.run("from nbrpc import rpc\nimport threading\n\n"
+                            "def reciprocal(x):\n    return 1 / x\n")
+    defined = content["execution_count"]
+
+    # a cell's function failing on a worker: its frame names the cell, with its line
+    out, content = kernel.run("rpc.rpc_sync('worker1', reciprocal, args=(0,))")
+    assert content["ename"] == "ZeroDivisionError"
+    remote, local = ANSI.sub("", out).split("The above exception was the direct cause")
+    assert f"Cell In[{defined}], line 5, in reciprocal\n    return 1 / x\n" in remote, remote
+    assert "<dynamic-code>" not in remote and ".py" not in remote  # nbrpc's frames left out
+    assert f"Cell In[{content['execution_count']}], line 1\n----> 1 rpc.rpc_sync(" in local
+    assert ".py" not in local  # the user's cell is the last frame shown
+
+    # an argument that does not pickle: named, with its type; nothing of nbrpc shown
+    out, content = kernel.run("rpc.rpc_sync('worker1', len, args=(threading.Lock(),))")
+    shown = ANSI.sub("", out)
+    assert content["ename"] == "SerializationError"
+    assert "rpc_sync('worker1', len): could not pickle argument 0 (a _thread.lock)" in shown
+    assert ".py" not in shown and "Call(" not in shown
+
+    # %%rpc_on: the worker's name and its own traceback of the cell
+    out, content = kernel.run("%%rpc_on worker1\nx = 1\nx / 0")
+    shown = ANSI.sub("", out)
+    assert content["ename"] == "CellError"
+    assert shown.startswith("[worker1]") and "----> 2 x / 0" in shown, shown
+    assert "execute]" not in shown and "magics.py" not in shown and "run_cell_magic" not in shown
+    assert shown.rstrip().endswith("ZeroDivisionError: division by zero")
+    kernel.ok("%rpc_cluster stop")
 
 
 def test_a_killed_kernel_leaves_no_orphans(kernel: Kernel) -> None:

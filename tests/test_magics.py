@@ -5,6 +5,7 @@ Usage errors need no cluster; the last tests start a real one (marked ``cluster`
 
 from __future__ import annotations
 
+import re
 import sys
 import threading
 from collections.abc import Iterator
@@ -18,6 +19,7 @@ from nbrpc.agent import set_default_agent
 from nbrpc.cluster import ClusterStatus, WorkerStatus
 from nbrpc.debug import owner_map, rref_graph
 from nbrpc.debug.trace import Trace
+from nbrpc.errors import CellError
 from nbrpc.jupyter.magics import _launcher_options
 from nbrpc.rref import RRef, remote
 
@@ -85,6 +87,8 @@ def html_of(shell, obj: object) -> str | None:
     """What the notebook would show as ``obj``'s HTML (None: only its text)."""
     return shell.display_formatter.format(obj)[0].get("text/html")
 
+
+ANSI = re.compile(r"\x1b\[[0-9;]*m")  # colours in an engine's traceback
 
 RELEASE = threading.Event()  # a module global: the in-process callee finds it by reference
 
@@ -193,9 +197,20 @@ def test_a_session_of_magics_on_a_real_cluster(shell, capsys) -> None:
     shell.run_cell_magic("rpc_on", "all", "x_on_engine = 5")
     shell.run_cell_magic("rpc_on", "worker2", "print(x_on_engine * 2)")
     assert capsys.readouterr().out == "10\n"  # one worker: no header
-    with pytest.raises(RuntimeError, match="the cell failed on worker1") as e:
+    with pytest.raises(CellError, match="the cell failed on worker1: ZeroDivisionError: "
+                       "division by zero") as e:
         shell.run_cell_magic("rpc_on", "worker1", "1 / 0")
-    assert "ZeroDivisionError" in repr(e.value.__cause__)
+    assert isinstance(e.value, RuntimeError) and list(e.value.errors) == ["worker1"]
+    # what the notebook shows: each worker's own traceback of the cell, headed by its
+    # name; no engine id ("[1:execute]"), nothing of the magic that ran it
+    shell.run_line_magic("colors", "nocolor")
+    shell.run_cell("%%rpc_on worker1 worker2\nx = 1\nprint(x / (rpc.get_worker_info().id - 2))",
+                   store_history=True)
+    shown = ANSI.sub("", capsys.readouterr().out)
+    assert shown.startswith("[worker1]\n-1.0\n[worker2]\n"), shown
+    assert "ZeroDivisionError" in shown and "----> 2 print(x / (rpc.get_worker_info().id - 2))" \
+        in shown and shown.rstrip().endswith("ZeroDivisionError: division by zero")
+    assert "execute]" not in shown and "magics.py" not in shown and "run_cell_magic" not in shown
     with pytest.raises(UsageError, match="no worker named 'worker9'"):
         shell.run_cell_magic("rpc_on", "worker9", "pass")
 

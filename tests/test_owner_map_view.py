@@ -60,7 +60,7 @@ def test_what_each_worker_owns_and_who_holds_it(trio_default) -> None:
     del big, small, busy
     gc.collect()
     assert poll_for(lambda: (view.refresh(), view.text())[1].startswith("Owner map: 0 values"))
-    assert "b owns 0 value(s)" in view.panel  # the selection follows the refresh
+    assert "b owns 0 values" in view.panel  # the selection follows the refresh
     view._on_front_end(view, {"event": "select", "key": "worker:nobody"}, None)
     assert "KeyError" in view.panel and "known: a, b, c" in view.panel
     view.close()
@@ -113,3 +113,38 @@ def test_text_and_html_do_not_depend_on_insertion_order() -> None:
                 for w, rows in omap.items()}
     assert owner_map_text(omap) == owner_map_text(shuffled)
     assert owner_map_html(omap) == owner_map_html(shuffled)
+
+
+def test_its_text_follows_the_theme_and_counts_read_on_their_cells() -> None:
+    import re
+
+    from nbrpc.jupyter.owner_map_view import CELL_SHADE, owner_map_svg
+
+    omap = {"driver": [], "worker1": [
+        {"rref_id": f"1:{i}", "type": "torch.Tensor", "nbytes": 4096 * (i + 1),
+         "state": "ready", "held_by": ["driver"], "owner_refs": 0, "site": "x.py:3"}
+        for i in range(3)]}
+    svg = owner_map_svg(omap)
+    # headings, column names, counts and the legend take the page's text colour
+    assert re.match(r'<svg [^>]*fill="currentColor"', svg)
+    texts = re.findall(r"<text [^>]*>", svg)
+    assert len(texts) >= 8 and not [t for t in texts if 'fill="#' in t], texts
+    assert not re.search(r'font-size="(9|10)"', svg)  # 11 px, the SVG's own size
+    # the cells' blue stays light enough for that text: at most CELL_SHADE's top
+    shades = [float(x) for x in re.findall(r'fill="#0072B2" fill-opacity="([\d.]+)"', svg)
+              if float(x) > 0.05]
+    assert shades and max(shades) == CELL_SHADE[1]
+    assert 'fill="#000000"' not in svg  # no black bar, invisible on a dark background
+
+
+def test_a_wide_matrix_keeps_its_column_names_apart() -> None:
+    import re
+
+    from nbrpc.jupyter.owner_map_view import owner_map_svg
+
+    names = ["driver"] + [f"worker{i}" for i in range(1, 16)]
+    omap = {n: [] for n in names}
+    svg = owner_map_svg(omap)
+    heads = re.findall(r'text-anchor="middle">([^<]*)<title>([^<]*)</title>', svg)
+    assert [full for _, full in heads] == names
+    assert len({shown for shown, _ in heads}) == 16, heads  # cut in the middle, not the end

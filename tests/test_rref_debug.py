@@ -86,10 +86,15 @@ def test_ipython_output_history_keeps_an_rref_alive_and_why_alive_says_so(
     shell = InteractiveShell.instance()
     try:
         shell.run_cell("from nbrpc.rpc import remote\nfrom test_rref_debug import Box", store_history=True)
-        shell.run_cell("r = remote('b', Box, args=(7,))", store_history=True)
+        made = shell.run_cell("r = remote('b', Box, args=(7,))", store_history=True)
         shell.run_cell("r", store_history=True)  # displayed: now in Out
+        shown = shell.run_cell("[remote('b', Box, args=(8,))]", store_history=True)
+        in_list = shell.user_ns["Out"][shown.execution_count][0]
+        assert f"IPython output history (Out[{shown.execution_count}]: a list of 1 item)" in \
+            debug.why_alive(in_list)["references"]["a"]
+        del in_list
         rref = shell.user_ns["r"]
-        assert rref._site.startswith("cell In[") and "line 1" in rref._site
+        assert rref._site == f"cell In[{made.execution_count}], line 1"
         rid = str(rref._id)
         del rref
         shell.run_cell("del r", store_history=True)
@@ -122,7 +127,8 @@ def test_why_alive_sees_containers_frozen_for_short_collections(trio_default) ->
     _HOLDER["r"] = remote(a, "b", Box, (4,), {}, -1)
     try:
         why = debug.why_alive(_HOLDER["r"])
-        assert "a dict (key 'r')" in why["references"]["a"], why
+        assert "the dict `_HOLDER` (key 'r'), a global in module test_rref_debug" in \
+            why["references"]["a"], why
         assert not gcfreeze.is_frozen() and gc.get_freeze_count() == 0
     finally:
         del _HOLDER["r"]

@@ -16,9 +16,11 @@ pytest.importorskip("anywidget")
 from nbrpc import debug  # noqa: E402
 from nbrpc.jupyter.rref_graph_view import (  # noqa: E402
     LANE_LIMIT,
+    LEAK_BOX,
     LIMIT,
     RRefGraphView,
     graph_model,
+    graph_svg,
     graph_text,
     rref_graph_html,
 )
@@ -192,7 +194,7 @@ def test_leaked_and_orphaned_references_are_flagged() -> None:
     assert "4 flagged" in text and "  2:1 on worker2: ?, ?, cell In[3], line 2, held by driver" \
         "; missing [orphan]" in text
     html = rref_graph_html(graph)
-    assert html.count('#fdecea') == 4 + 1  # four flagged nodes, and the legend
+    assert html.count(LEAK_BOX[0]) == 4 + 1  # four flagged nodes, and the legend
     assert "worker2 (gone)" in html
 
 
@@ -256,3 +258,31 @@ def test_text_and_html_do_not_depend_on_insertion_order() -> None:
     assert rref_graph_html(graph) == rref_graph_html(shuffled)
     a.close()
     b.close()
+
+
+def test_its_text_and_lines_follow_the_theme() -> None:
+    import re
+
+    from nbrpc.jupyter.svg import ERROR
+
+    graph = {"workers": ["driver", "worker1"], "pending": [], "edges": [], "users": [
+        {"rref_id": "1:1", "fork_id": "0:2", "owner": "worker1", "parent": None,
+         "state": "confirmed", "site": "x.py:3", "worker": "driver"},
+        {"rref_id": "2:1", "fork_id": "0:3", "owner": "worker2", "parent": None,
+         "state": "confirmed", "site": "x.py:4", "worker": "driver"}],
+        "values": {"1:1": {"owner": "worker1", "state": "ready", "type": "builtins.list",
+                           "nbytes": 72, "site": "x.py:3", "age": 1.0, "owner_refs": 0,
+                           "users": {"0:2": "driver"}}}}
+    svg = graph_svg(graph_model(graph, lane_limit=1))
+    # the drawing's text takes the page's text colour (light or dark theme, GitHub)...
+    assert re.match(r'<svg [^>]*fill="currentColor"', svg)
+    texts = re.findall(r"<text [^>]*>", svg)
+    assert len(texts) >= 8
+    # (secondary text: that colour, lighter); a gone worker's lane in the theme's
+    # error colour; no fixed greys
+    assert not [t for t in texts if 'fill="#' in t and ERROR not in t], texts
+    assert [t for t in texts if ERROR in t] and 'fill="currentColor" fill-opacity' in svg
+    assert "worker2 (gone)" in svg
+    # value boxes and lanes are faint tints, never an opaque light fill that the
+    # dark theme's light text would vanish on
+    assert not re.search(r'fill="#(fff|ffffff|f3f6f9|fdecea|fff4e0)"', svg)

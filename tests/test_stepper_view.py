@@ -1,6 +1,8 @@
 """The backward stepper's widget, without a browser: its state after Step, Run and
 Reset, a failing stage, the final gradients against ``backward()`` and local
-PyTorch, bounded drawing, and the gradient-norm plot. Four agents in this process."""
+PyTorch, bounded drawing, the gradient-norm plot, a drawing that fits a 900 px
+column (lanes, labels, arrows around the lanes) and snapshots. Four agents in
+this process."""
 
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ from conftest import local_group, poll_for
 from test_autograd_inprocess import acting_as, explode, make_param, tanh_mm
 
 from nbrpc import autograd as dist_autograd
-from nbrpc.jupyter import stepper_view
+from nbrpc.jupyter import stepper_graph, stepper_view
 from nbrpc.jupyter.stepper_graph import LAST, MAX_NODES
 from nbrpc.jupyter.stepper_view import StepperView, plot_grad_norms, stepper_html
 from nbrpc.rpc import RRef, remote, rpc_sync
@@ -52,7 +54,7 @@ def controls(view: StepperView) -> dict[str, dict]:
 
 def lit_nodes(view: StepperView) -> set[str]:
     """The data-keys of the boxes drawn in the last stage's colour."""
-    return set(re.findall(rf'<g data-key="(n:[^"]+)"><rect [^>]*fill="{LAST}"', view.html))
+    return lit_nodes_in(view.html)
 
 
 # -- Step, Run, Reset ---------------------------------------------------------------------
@@ -131,7 +133,12 @@ def test_run_shows_final_gradients_equal_to_backward_and_to_local_pytorch(chain)
         assert "equal to local's: wc: yes" in local_view.text()
         for leaf, want in local_grads.items():
             assert torch.allclose(stepper.gradient_of(leaf), want)
-        assert "<td>b</td><td>leaf[4, 3]</td>" in view.panel
+        # expected names every leaf: one table of names, owners, norms and the check
+        assert view.panel.count("<table") == 1 and "<td>wb</td><td>b</td>" in view.panel
+        unnamed = StepperView(stepper, expected={x: normal[x]})  # not every leaf: both
+        assert unnamed.panel.count("<table") == 2
+        assert "<td>b</td><td>leaf[4, 3]</td>" in unnamed.panel
+        unnamed.close()
         # a wrong expectation says no
         wrong = StepperView(stepper, expected={x: 2 * normal[x]}, names=names)
         assert wrong.state.check[0]["equal"] is False and "<b>no</b>" in wrong.panel
@@ -260,3 +267,152 @@ def test_the_views_registry_makes_it(chain) -> None:
         assert view.filters == {"worker": ["a", "b", "c"]}
         stepper.run()
         view.close()
+
+
+# -- readable at a 900 px column --------------------------------------------------------------
+def boxes(svg: str) -> dict[str, tuple[float, float, float, float]]:
+    """data-key -> (x, y, width, height) of every node and entry box."""
+    return {k: tuple(map(float, xywh)) for k, *xywh in re.findall(
+        r'<g data-key="([ne]:[^"]+)"><rect x="([\d.]+)" y="([\d.]+)" width="([\d.]+)" '
+        r'height="([\d.]+)"', svg)}
+
+
+def lanes(svg: str) -> dict[str, tuple[float, float, float, float]]:
+    return {w: tuple(map(float, xywh)) for w, *xywh in re.findall(
+        r'data-f-worker="([^" ]+)"><rect x="([\d.]+)" y="([\d.]+)" width="([\d.]+)" '
+        r'height="([\d.]+)"', svg)}
+
+
+def segments(path: str) -> list[tuple[float, float, float, float]]:
+    """The straight pieces of an SVG path made of M, H and V commands."""
+    x = y = 0.0
+    out = []
+    for cmd, a, b in re.findall(r"([MHV])([\d.]+)(?:,([\d.]+))?", path):
+        nx, ny = (float(a), float(b)) if cmd == "M" else (float(a), y) if cmd == "H" else (
+            x, float(a))
+        if cmd != "M":
+            out.append((x, y, nx, ny))
+        x, y = nx, ny
+    return out
+
+
+def crosses(seg: tuple[float, float, float, float], box: tuple[float, float, float, float]) -> bool:
+    """Whether a horizontal or vertical segment runs through the inside of a box."""
+    x1, y1, x2, y2 = seg
+    bx, by, bw, bh = box
+    if y1 == y2:
+        return by < y1 < by + bh and min(x1, x2) < bx + bw and max(x1, x2) > bx
+    return bx < x1 < bx + bw and min(y1, y2) < by + bh and max(y1, y2) > by
+
+
+def synthetic(workers: int, per_level: int, name: str = "MkldnnRnnLayerBackward0") -> dict:
+    """A graph: every worker with ``per_level`` nodes on each of 3 levels, a leaf under
+    each, and a received leaf whose gradient goes back to the previous worker."""
+    out = {}
+    for r in range(workers):
+        nodes = [{"id": i, "name": name, "next": [i + per_level] if i < 2 * per_level else
+                  [3 * per_level + i % per_level]} for i in range(3 * per_level)]
+        nodes += [{"id": 3 * per_level + j, "name": "AccumulateGrad", "next": [],
+                   "leaf": f"leaf[{j}]", "shape": [j + 1]} for j in range(per_level)]
+        nodes.append({"id": 99, "name": "AccumulateGrad", "next": [], "leaf": "recv",
+                      "shape": [2, 3], "recv": 1000 + r})
+        out[f"worker{r}"] = {
+            "worker": f"worker{r}", "rank": r, "roots": list(range(per_level)) if r == 0 else [],
+            "sends": [{"msg_id": 1000 + (r + 1) % workers, "to": f"worker{(r + 1) % workers}",
+                       "enters": list(range(per_level))}],
+            "recvs": [{"msg_id": 1000 + r, "from": f"worker{(r - 1) % workers}",
+                       "leaves": [99]}],
+            "nodes": nodes}
+    return {"workers": out}
+
+
+def drawing(graph: dict) -> str:
+    return stepper_graph.graph_svg(stepper_graph._Replay(graph, []), None)
+
+
+def svg_width(svg: str) -> float:
+    return float(re.match(r'<svg [^>]*width="(\d+)"', svg).group(1))
+
+
+@pytest.mark.parametrize("workers", [2, 3, 4])
+def test_the_drawing_fits_a_900_px_column(workers: int) -> None:
+    svg = drawing(synthetic(workers, per_level=4))
+    assert svg_width(svg) <= stepper_graph.MAX_WIDTH
+    drawn = lanes(svg)
+    assert len(drawn) == workers  # every worker's lane is in it, none under another
+    spans = sorted((x, x + w) for x, _, w, _ in drawn.values())
+    assert all(a[1] < b[0] for a, b in zip(spans, spans[1:]))
+    for key, (x, y, w, h) in boxes(svg).items():  # each box inside its own lane
+        lx, ly, lw, lh = drawn[key.split(":")[1]]
+        assert lx <= x and x + w <= lx + lw and ly <= y and y + h <= ly + lh, key
+
+
+def test_past_the_width_lanes_are_one_box_wide_and_the_drawing_scrolls() -> None:
+    svg = drawing(synthetic(12, per_level=3))
+    one = stepper_graph.NODE_W + 2 * stepper_graph.PAD
+    assert all(w == one for _, _, w, _ in lanes(svg).values())
+    assert svg_width(svg) > stepper_graph.MAX_WIDTH
+
+
+def test_labels_drop_the_backward_suffix_and_the_full_name_shows_on_hover() -> None:
+    svg = drawing(synthetic(2, per_level=1, name="ConvolutionBackwardOverrideableBackward0"))
+    node = re.search(r'<g data-key="n:worker0:0">(.*?)</g>', svg).group(1)
+    assert re.findall(r"<text [^>]*>([^<]*)</text>", node) == ["Convolution",
+                                                               "BackwardOverride…"]
+    assert "<title>ConvolutionBackwardOverrideableBackward0 on worker0" in node
+    svg = drawing(synthetic(2, per_level=1))
+    node = re.search(r'<g data-key="n:worker0:0">(.*?)</g>', svg).group(1)
+    assert re.findall(r"<text [^>]*>([^<]*)</text>", node) == ["MkldnnRnnLayer"]
+    recv = re.search(r'<g data-key="n:worker0:99">(.*?)</g>', svg).group(1)
+    assert re.findall(r"<text [^>]*>([^<]*)</text>", recv) == ["recv m2 [2, 3]"]
+    assert "…" not in "".join(re.findall(r"<text [^>]*>([^<]*)</text>", svg))
+
+
+@pytest.mark.parametrize("workers", [2, 3, 4])
+def test_gradient_arrows_go_around_the_lanes(workers: int) -> None:
+    svg = drawing(synthetic(workers, per_level=3))
+    drawn, all_boxes = lanes(svg), boxes(svg)
+    arrows = re.findall(r'<g data-key="m:(m\d+)"[^>]*><path d="([^"]+)"', svg)
+    assert len(arrows) == workers
+    for label, path in arrows:
+        segs = segments(path)
+        assert len(segs) == 5, path  # down, along, up, along, down
+        inner = segs[1:4]  # between the lanes: they cross no lane at all
+        assert not [(s, w) for s in inner for w, lane in drawn.items() if crosses(s, lane)]
+        for s in (segs[0], segs[-1]):  # out of the leaf, into the send box: no other box
+            hit = [k for k, b in all_boxes.items() if crosses(s, b)]
+            assert not hit, (label, s, hit)
+
+
+def test_the_chain_is_drawn_within_the_width_with_arrows_around_lanes(chain) -> None:
+    x, wb, wc, _ = chain
+    with dist_autograd.context() as ctx:
+        view = StepperView(dist_autograd.backward_stepper(ctx, [forward(x, wb, wc)]))
+        view.run()
+        assert svg_width(view.html) <= stepper_graph.MAX_WIDTH
+        drawn = lanes(view.html)
+        for _, path in re.findall(r'<g data-key="m:(m\d+)"[^>]*><path d="([^"]+)"', view.html):
+            assert not [w for s in segments(path)[1:4] for w, ln in drawn.items()
+                        if crosses(s, ln)]
+        view.close()
+
+
+def test_snapshots_keep_each_step_while_the_view_moves_on(chain) -> None:
+    x, wb, wc, _ = chain
+    with dist_autograd.context() as ctx:
+        view = StepperView(dist_autograd.backward_stepper(ctx, [forward(x, wb, wc)]))
+        snaps = []
+        for _ in range(2):
+            view.step()
+            snaps.append(view.snapshot())
+        view.run()
+        html = [s._repr_html_() for s in snaps]
+        assert "1 stage run, 1 pending" in html[0] and "2 stages run" in html[1]
+        assert repr(snaps[0]).startswith("Backward stepper: 1 stage run")
+        assert "5 stages run, done" in view.static_html()
+        assert lit_nodes_in(html[0]) != lit_nodes_in(html[1])
+        view.close()
+
+
+def lit_nodes_in(markup: str) -> set[str]:
+    return set(re.findall(rf'<g data-key="(n:[^"]+)"><rect [^>]*fill="{LAST}"', markup))

@@ -22,6 +22,10 @@ class Box:
     def __init__(self, n: int) -> None:
         self.n = n
 
+    def grow(self, k: int) -> int:
+        self.n += k
+        return self.n
+
 
 def read(rref: RRef) -> int:
     return rref.to_here().n
@@ -75,6 +79,22 @@ def test_a_trace_holds_the_calls_replies_and_rref_protocol_of_its_block(trio_def
     text = str(t)
     assert text.splitlines()[0].startswith("Trace of a, b, c: ")
     assert "  rref: 1 request, 1 reply  a -> c" in text.splitlines()
+
+
+def test_a_method_called_through_an_rref_is_traced_by_the_methods_name(trio_default) -> None:
+    a, b, c = trio_default
+    box = remote(a, "c", Box, (1,), {}, -1)
+    box.to_here()  # (its value is there: remote() below looks the method up first)
+    with debug.trace() as t:
+        assert box.rpc_sync().grow(2) == 3
+        assert box.rpc_async().grow(3).wait() == 6
+        assert box.remote().grow(4).to_here() == 10
+    whats = Counter(m["what"] for m in t.messages if m["kind"] == "call" and m["dst"] == "c")
+    rid = box._id
+    assert whats == {f"grow on RRef {rid}": 2, f"look up grow on RRef {rid}": 1}, whats
+    assert sum(m["what"] == f"grow on RRef {rid}" for m in t.messages
+               if m["kind"] == "rref" and m["op"] == "remote") == 1, t.messages
+    assert not [m for m in t.messages if "_on_owner" in m["what"]]
 
 
 def test_errors_timeouts_and_autograd_messages_are_traced(trio_default) -> None:
@@ -232,3 +252,49 @@ def test_a_call_is_shown_before_its_reply_whatever_order_its_logs_were_written_i
                     _entry(0.61, "recv", "d", 0.5)]})
     assert [m["kind"] for m in t.messages] == ["call"], t.messages
     assert t.messages[0]["t1"] is None  # (its serve is logged after the block)
+
+
+def test_arrow_labels_are_readable_and_never_overlap() -> None:
+    import re
+
+    from nbrpc.jupyter.svg import BACKING
+    from nbrpc.jupyter.trace_view import trace_svg
+
+    workers = ["driver", "worker1", "worker2", "worker3"]
+    msgs = []
+    for i in range(60):  # crowded: every arrow starts one row after the last
+        src, dst = workers[i % 4], workers[(i * 3 + 1) % 4]
+        msgs.append({"kind": "call", "op": "call", "what": f"a_rather_long_function_{i}",
+                     "src": src, "dst": dst, "msg_id": i, "nbytes": 10,
+                     "t0": i * 1e-5, "t1": i * 1e-5 + 2.5e-5})
+    msgs.append({"kind": "call", "op": "call", "what": "itself", "src": "worker1",
+                 "dst": "worker1", "msg_id": 99, "nbytes": 10, "t0": 7e-4, "t1": 7.1e-4})
+    for i in range(10):  # ten at one instant: no room for all their labels
+        msgs.append({"kind": "call", "op": "call", "what": f"a_rather_long_function_{i}",
+                     "src": "driver", "dst": "worker1", "msg_id": 100 + i, "nbytes": 10,
+                     "t0": 8e-4, "t1": 8.1e-4})
+    t = debug.Trace(workers=workers, duration=1e-3, messages=msgs)
+    svg = trace_svg(t)
+    groups = re.findall(r'<g class="nbrpc-msg".*?</g>', svg)
+    assert len(groups) == 71
+    boxes, shown = [], 0
+    for g in groups:
+        assert re.search(r"<title>call a_rather_long_function_\d+|<title>call itself", g), g
+        label = re.search(r'<rect class="nbrpc-label" x="([\d.]+)" y="([\d.]+)" '
+                          r'width="([\d.]+)" height="([\d.]+)"'
+                          rf' rx="2" {re.escape(BACKING)}/><text [^>]*font-size="(\d+)">([^<]*)'
+                          "</text>", g)
+        if label is None:
+            continue
+        x, y, w, h, size, text = label.groups()
+        assert int(size) >= 11 and text.startswith("call ")
+        boxes.append((float(x), float(y), float(x) + float(w), float(y) + float(h)))
+        shown += 1
+    assert 55 < shown < 71  # most arrows are labelled; where it is too crowded, not all
+    for i, a in enumerate(boxes):
+        for b in boxes[i + 1:]:
+            assert not (a[0] < b[2] and b[0] < a[2] and a[1] < b[3] and b[1] < a[3]), (a, b)
+    # text on the background is in the theme's colour, never a fixed dark grey
+    assert 'font-size="11" fill="currentColor"' in svg
+    assert not re.search(r'<text [^>]*fill="#', svg)
+    assert 'font-size="9"' not in svg

@@ -1,15 +1,31 @@
-"""The widget base: the views registry, front-end events, reprs, live refresh."""
+"""The widget base: the views registry, front-end events, reprs, live refresh, a
+view whose group has stopped, snapshots."""
 
 from __future__ import annotations
 
+import contextlib
+import re
 import threading
+from collections.abc import Iterator
 
 import pytest
-from conftest import poll_for
+from conftest import local_group, poll_for
 
 import nbrpc
 from nbrpc import views
-from nbrpc.jupyter.view import VARIES_CLOSE, VARIES_OPEN, View, button
+from nbrpc.agent import Agent
+from nbrpc.agent.current import _local
+from nbrpc.jupyter import view as view_module
+from nbrpc.jupyter.view import (
+    GONE,
+    VARIES_CLOSE,
+    VARIES_OPEN,
+    View,
+    button,
+    check_open_views,
+    toggle,
+)
+from nbrpc.rpc import rpc_sync
 
 
 class Counter(View):
@@ -138,3 +154,118 @@ def test_a_live_tick_and_a_click_do_not_interleave() -> None:
     clicked.join(10)
     assert v.panel == "selected r2"
     v.close()
+
+
+# -- a view whose group has stopped ---------------------------------------------------------
+@contextlib.contextmanager
+def a_group() -> Iterator[Agent]:
+    """A one-agent group that this test thread calls through (as a driver does)."""
+    with local_group(["a"]) as (agent,):
+        _local.agent = agent
+        try:
+            yield agent
+        finally:
+            _local.agent = None
+
+
+class Asking(Counter):
+    """A view whose click asks its group (as the RRef graph's why_alive does)."""
+
+    def on_select(self, key: str) -> None:
+        self.panel = f"answer: {rpc_sync('a', len, args=(key,))}"
+
+
+def test_a_view_whose_group_stopped_says_so_and_disables_its_buttons() -> None:
+    with a_group() as agent:
+        v = Counter()
+        v.controls = [button("bump", "Bump"), toggle("live", "live", True)]
+        v.live(period=0.5)
+        assert v.group is agent and not v.gone
+        check_open_views()  # (the end of a cell) a running group: nothing changes
+        assert not v.gone and v.is_live
+    check_open_views()
+    assert v.gone and not v.is_live and not live_threads()
+    assert re.fullmatch(rf"\d+ refreshes · {GONE}", v.status)  # the last state, said so
+    assert {c["id"]: c.get("disabled", False) for c in v.controls} == {
+        "bump": True, "live": False}  # a toggle does no harm
+    v._on_front_end(v, {"event": "control", "id": "bump"}, None)  # a stale button
+    assert v.pressed == [] and "The group has stopped" in v.panel and "bump" in v.panel
+    v.refresh()  # a redraw keeps saying it
+    assert v.status.endswith(GONE) and v.controls[0]["disabled"]
+    assert GONE in v._repr_mimebundle_()[0]["text/html"]
+    v.close()
+
+
+def test_a_click_that_needs_a_stopped_group_fails_into_the_panel(
+        caplog: pytest.LogCaptureFixture) -> None:
+    with a_group():
+        v = Asking()
+        v._on_front_end(v, {"event": "select", "key": "abc"}, None)
+        assert v.panel == "answer: 3"
+    v._on_front_end(v, {"event": "select", "key": "abc"}, None)  # no exception escapes
+    assert v.panel.startswith('<div class="nbrpc-error"><b>')
+    assert "(the group has stopped)" in v.panel and v.status.endswith(GONE)
+    assert any(r.levelname == "ERROR" and "Asking" in r.getMessage() for r in caplog.records)
+    v.close()
+
+
+def test_a_live_view_says_its_group_stopped_when_its_refresh_ends() -> None:
+    with a_group() as agent:
+        v = Counter()
+        v.live(period=0.5, alive=lambda: agent.state == "ready")
+        assert poll_for(lambda: v.refreshes >= 2, timeout=5)
+    assert poll_for(lambda: v.status.endswith(GONE), timeout=5)
+    v.close()
+
+
+def test_the_end_of_a_cell_checks_the_open_views(monkeypatch: pytest.MonkeyPatch) -> None:
+    import IPython
+    from IPython.core.events import EventManager, available_events
+
+    class Shell:
+        events = EventManager(None, available_events)
+
+    monkeypatch.setattr(IPython, "get_ipython", lambda: Shell)
+    with a_group():
+        v, w = Counter(), Counter()
+    assert Shell.events.callbacks["post_run_cell"].count(view_module._after_cell) == 1
+    assert not v.gone
+    Shell.events.trigger("post_run_cell", None)
+    assert v.gone and w.gone and v.status.endswith(GONE)
+    v.close()
+    w.close()
+
+
+def test_a_view_of_plain_data_has_no_group_to_lose() -> None:
+    v = Counter()
+    assert v.group is None and not v.check_group()
+    v._on_front_end(v, {"event": "control", "id": "bump"}, None)
+    assert v.pressed == ["bump"]
+    v.close()
+
+
+def test_a_snapshot_keeps_the_moment_it_was_taken() -> None:
+    v = Counter()
+    snap = v.snapshot()
+    v.refresh()
+    assert repr(snap) == "a counter" and snap._repr_html_() != v.static_html()
+    assert '<rect data-key="r1"/>' in snap._repr_html_()
+    assert '<rect data-key="r2"/>' in v.static_html()
+    assert "application/vnd.jupyter.widget-view+json" not in str(snap._repr_html_())
+    v.close()
+
+
+def test_the_tutorials_saved_widgets_carry_the_packages_stylesheet() -> None:
+    """JupyterLab restores a notebook's saved widget models, each with its copy of
+    view.css, and the stylesheet added last wins: a stale copy would override the
+    package's. Re-run a tutorial (or refresh its widget state) when view.css changes."""
+    import json
+    from pathlib import Path
+
+    css = (view_module.STATIC / "view.css").read_text()
+    stale = []
+    for path in sorted((Path(__file__).resolve().parent.parent / "notebooks").glob("*.ipynb")):
+        widgets = json.loads(path.read_text()).get("metadata", {}).get("widgets", {})
+        state = widgets.get("application/vnd.jupyter.widget-state+json", {}).get("state", {})
+        stale += [path.name for m in state.values() if m.get("state", {}).get("_css", css) != css]
+    assert not stale, f"saved widgets with an older view.css: {sorted(set(stale))}"

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from ..errors import SerializationError
-from ..serialize import dumps, loads
+from ..serialize import a_type, dumps, find_unpicklable, loads
 from ..transport import Envelope
 from ..transport.channel import ChannelClosed
 from .asyncfn import check_future, is_async
@@ -62,6 +62,7 @@ class Callee:
             self.io.note_drop("unknown kind", f"kind {kind} from rank {env.sender}")
 
     def _serve(self, env: Envelope) -> None:
+        __tracebackhide__ = True  # (left out of the traceback sent back)
         started = time.perf_counter()
         op = "?"
         wire = Wire(self, env.sender)
@@ -155,14 +156,7 @@ class Callee:
             wire.unsent()
             wire = Wire(self, peer)
             if type(reply) is Ok:  # name the value, not the wrapper it travels in
-                cause = e.__cause__ or e
-                kind = type(reply.value)
-                e = SerializationError(
-                    f"the result of {what or op}() on {self.name!r}, a {kind.__module__}."
-                    f"{kind.__qualname__}, could not be pickled to send back: "
-                    f"{type(cause).__name__}: {cause}. Return only picklable values (open "
-                    "files, locks and sockets are not), or keep the value on the worker "
-                    "with remote() and send back what you need from it.")
+                e = self._unpicklable_result(reply.value, what or op, e)
             payload, buffers = dumps(pack_error(e, self.name), wire)
         with self._lock:
             self._served[peer] += 1
@@ -185,7 +179,25 @@ class Callee:
                         self.peer_name(env.sender), env.msg_id, nbytes,
                         time.perf_counter() - started)
 
+    def _unpicklable_result(self, value: Any, what: str, e: SerializationError
+                            ) -> SerializationError:
+        """The error for a result that does not pickle: its type, and the path
+        and type of the part inside it that does not."""
+        found = find_unpicklable(value, "result")
+        if found is None:
+            cause: BaseException = e.__cause__ or e
+            path, inner = None, f"{type(cause).__name__}: {cause}"
+        else:
+            path, part, error = found
+            inner = str(error) if path == "result" else f"{path} is {a_type(part)}: {error}"
+        return SerializationError(
+            f"the result of {what}() on {self.name!r} ({a_type(value)}) could not be pickled "
+            f"to send back: {inner}. Return only picklable values (open files, locks, "
+            "sockets and threads are not), or keep the value on the worker with remote() "
+            "and send back what you need from it.", path, self.name)
+
     def _handle_call(self, msg: Call, sender: int) -> Any:
+        __tracebackhide__ = True  # (left out of the traceback sent back)
         fn = msg.fn
         if is_async(fn):
             return Deferred(check_future(fn, fn(*msg.args, **msg.kwargs)))

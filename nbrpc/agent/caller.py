@@ -24,7 +24,16 @@ from ..transport.channel import Channel, ChannelClosed
 from .futures import RpcFuture
 from .messages import INLINE, REQUEST, RESPONSE, Call, Ok
 from .remote_errors import rebuild_error
-from .wire import _MISS, Pending, Wire, _Tag, _what, call_args, check_timeout
+from .wire import (
+    _MISS,
+    Pending,
+    Wire,
+    _Tag,
+    _what,
+    call_args,
+    check_timeout,
+    unpicklable_request,
+)
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +49,7 @@ class Caller:
                   keep: Any = None) -> RpcFuture:
         """Run ``fn(*args, **kwargs)`` on ``to``; returns a future of the result.
         ``keep`` is held until the answer (see :meth:`request`)."""
+        __tracebackhide__ = True
         if not callable(fn):
             raise TypeError(f"func must be callable, got {type(fn).__name__}")
         args, kwargs = call_args(args, kwargs)
@@ -50,6 +60,7 @@ class Caller:
         """Run ``fn(*args, **kwargs)`` on ``to`` and wait for the result, over
         this thread's own channel to ``to`` where it has one (see
         :mod:`nbrpc.transport.channel`)."""
+        __tracebackhide__ = True
         if not callable(fn):
             raise TypeError(f"func must be callable, got {type(fn).__name__}")
         args, kwargs = call_args(args, kwargs)
@@ -74,6 +85,7 @@ class Caller:
         a request to the same peer that may still be queued (deferred): if it
         is, it goes first on the same channel (``to_here`` right after
         ``remote``: both run on the callee's channel thread, in order)."""
+        __tracebackhide__ = True
         if self.state not in ("ready", "stopping"):
             raise ShutdownError(f"agent {self.name!r} is {self.state}; it takes no new calls")
         peer = self.resolve(to).rank
@@ -91,9 +103,18 @@ class Caller:
     def _send_request(self, p: Pending, msg: Any, tag: Any, timeout: float, kind: int,
                       may_resend: bool = True, sync: bool = False,
                       along: int | None = None) -> None:
+        __tracebackhide__ = True  # (IPython leaves nbrpc's frames out of tracebacks)
         peer = p.peer
         wire = Wire(self, peer, tag, refs_ok=True)
-        payload, buffers = dumps(msg if tag is None else (_Tag(tag), msg), wire)
+        try:
+            payload, buffers = dumps(msg if tag is None else (_Tag(tag), msg), wire)
+        except SerializationError:
+            wire.unsent()
+            verb = msg.op if msg.op != "call" else "rpc_sync" if sync else "rpc_async"
+            error = unpicklable_request(verb, self.peer_name(peer), msg)
+            if error is None:
+                raise
+            raise error from None  # (its message has the pickler's; its frames are nbrpc's)
         mid = next(self._ids)
         p.wire = wire if wire.undo or wire.full else None
         if wire.refs and may_resend:

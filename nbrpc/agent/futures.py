@@ -22,12 +22,12 @@ text before it is stored, :func:`outcome` reads a future without raising, and
 from __future__ import annotations
 
 import threading
-import traceback
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
+from ..serialize import format_exception
 from .pool import blocking
 
 _SLICE = 0.25  # seconds between checks while waiting; bounds interrupt latency
@@ -57,18 +57,23 @@ class RpcFuture(torch.futures.Future):
         super().add_done_callback(callback)
 
     def wait(self) -> Any:
+        __tracebackhide__ = True  # (IPython leaves nbrpc's frames out of tracebacks)
         if not self.done():
             unsent, self.unsent = self.unsent, None
             if unsent is not None:
                 unsent()
             if self.pump is not None:
                 self.pump(self)
-                if self.done():
-                    return self.value()
-            self._block()
-        return self.value()
+            if not self.done():
+                self._block()
+        try:
+            return self.value()
+        except Exception as e:  # a fresh copy of the stored error: its only frames
+            e.__traceback__ = None  # are these, so it is raised at the caller's line
+            raise
 
     def value(self) -> Any:
+        __tracebackhide__ = True
         result, error = outcome(self, torch._C.Future.value)
         if error is not None:
             raise fresh(error)
@@ -133,8 +138,7 @@ def detach(e: BaseException) -> BaseException:
     if tb is not None:
         if getattr(e, TRACEBACK_ATTR, None) is None:
             try:
-                setattr(e, TRACEBACK_ATTR,
-                        "".join(traceback.format_exception(type(e), e, tb)))
+                setattr(e, TRACEBACK_ATTR, format_exception(e))
             except Exception:  # an exception type without attributes
                 pass
         e.__traceback__ = None

@@ -3,27 +3,28 @@
 The callee sends an :class:`~nbrpc.agent.messages.Err`: the exception pickled
 on its own (so that a type the caller cannot import does not spoil the whole
 answer), its type name, message and traceback text. The caller raises the
-original exception, with the remote traceback as its ``__cause__`` and
+original exception, with the remote traceback as its ``__cause__`` (the
+frames of the user's code: the callee's own are left out, and a notebook
+cell's frame is named as IPython names it, ``Cell In[7], line 2``) and
 ``remote_worker`` / ``remote_traceback`` attributes, or a
 :class:`~nbrpc.errors.RemoteError` when the type cannot be rebuilt there.
 """
 
 from __future__ import annotations
 
-import traceback
 from typing import Any
 
 import cloudpickle
 
 from ..errors import RemoteError, RemoteTraceback
+from ..serialize import format_exception
 from .futures import TRACEBACK_ATTR
 from .messages import Err
 
 
 def pack_error(e: BaseException, worker: str) -> Err:
     """The message that carries ``e`` back to the caller."""
-    tb = getattr(e, TRACEBACK_ATTR, None) or "".join(
-        traceback.format_exception(type(e), e, e.__traceback__))
+    tb = getattr(e, TRACEBACK_ATTR, None) or format_exception(e)
     try:
         exc_pickle = cloudpickle.dumps(e) if isinstance(e, Exception) else None
     except Exception:
@@ -47,12 +48,16 @@ def rebuild_error(err: Err) -> BaseException:
         return RemoteError(err.worker, err.type_name, err.message, err.traceback, why)
     exc.__dict__.pop(TRACEBACK_ATTR, None)  # the callee's; it is in the cause below
     exc.__dict__.pop("_nbrpc_logged", None)  # (the callee's logging mark)
-    exc.__cause__ = RemoteTraceback(f'\n"""\n{err.traceback.rstrip()}\n"""')
+    # a traceback with frames is the cause; one that is only the message
+    # (an error made by the callee, not raised) would repeat it
+    framed = err.traceback.lstrip().startswith("Traceback")
+    exc.__cause__ = RemoteTraceback(f'\n"""\n{err.traceback.rstrip()}\n"""') if framed else None
     try:
         exc.remote_worker = err.worker
         exc.remote_traceback = err.traceback
     except Exception:
         pass
     if hasattr(exc, "add_note"):
-        exc.add_note(f"(raised on worker {err.worker!r}; its traceback is shown above)")
+        shown = "; its traceback is shown above" if framed else ""
+        exc.add_note(f"(raised on worker {err.worker!r}{shown})")
     return exc

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ..errors import CodeCacheMiss, SerializationError
-from ..serialize import CodeCache, current_context
+from ..serialize import CodeCache, a_type, current_context, find_unpicklable
 from .futures import RpcFuture
 
 if TYPE_CHECKING:
@@ -196,6 +196,37 @@ def _unread_error(e: BaseException, name: str) -> BaseException:
     return error
 
 
+def unpicklable_request(verb: str, worker: str, msg: Any) -> SerializationError | None:
+    """The error for a call whose function or arguments do not pickle, naming
+    the one that does not (by position or keyword, with the path inside it)
+    and its type; None if the message holds no call, or each part pickles on
+    its own. Only on the failure path: it pickles the parts again.
+
+    >>> import threading
+    >>> from nbrpc.agent.messages import Call
+    >>> e = unpicklable_request("rpc_sync", "w1", Call(max, (1,), {"key": [threading.Lock()]}))
+    >>> print(e)  # doctest: +ELLIPSIS
+    rpc_sync('w1', max): could not pickle kwargs['key'][0] in keyword argument 'key' (a _thread.lock): cannot pickle '_thread.lock' object. Pass only picklable values ...
+    """
+    fn, args, kwargs = (getattr(msg, a, None) for a in ("fn", "args", "kwargs"))
+    if not isinstance(args, tuple) or not isinstance(kwargs, dict):
+        return None
+    parts = [("the function", "the function", fn)]
+    parts += [(f"argument {i}", f"args[{i}]", v) for i, v in enumerate(args)]
+    parts += [(f"keyword argument {k!r}", f"kwargs[{k!r}]", v) for k, v in kwargs.items()]
+    found = next(((name, root, hit) for name, root, value in parts
+                  if (hit := find_unpicklable(value, root)) is not None), None)
+    if found is None:
+        return None
+    name, root, (path, part, error) = found
+    what = name if path == root else f"{path} in {name}" if path.startswith(root) else path
+    called = (_what(msg) or "?").rpartition("<locals>.")[2]  # (a nested function: its name)
+    return SerializationError(
+        f"{verb}({worker!r}, {called}): could not pickle {what} ({a_type(part)}): "
+        f"{error}. Pass only picklable values (open files, locks, sockets and threads are "
+        "not), or create the object on the callee.", path, worker)
+
+
 INTERNAL = "nbrpc:"  # the prefix of internal calls' names in the event log
 
 
@@ -206,9 +237,22 @@ def internal(fn: Callable) -> Callable:
     return fn
 
 
+def named_by(describe: Callable[[tuple], str]) -> Callable[[Callable], Callable]:
+    """Name the calls of the decorated function in the event log (and so in
+    traces) by ``describe(args)`` rather than by its own name: for a helper that
+    runs something else on the callee (an RRef's method, run by its owner)."""
+    def mark(fn: Callable) -> Callable:
+        fn.__nbrpc_what__ = describe  # type: ignore[attr-defined]
+        return fn
+    return mark
+
+
 def _what(msg: Any) -> str:
     """What a request is about, for its event: the function called, or the RRef."""
     fn = getattr(msg, "fn", None)
+    describe = getattr(fn, "__nbrpc_what__", None)
+    if describe is not None:
+        return describe(msg.args)
     if fn is not None:  # Box.method; torch.mul's qualname is _VariableFunctionsClass.mul
         name = getattr(fn, "__qualname__", None) or type(fn).__name__
         name = getattr(fn, "__name__", name) if name[0] == "_" else name

@@ -20,17 +20,38 @@ log = logging.getLogger("nbrpc.cluster")
 class Progress:
     """Counts workers that are ready out of ``total``; the base class logs.
 
-    >>> p = Progress(2, "starting"); p.update(1, "worker1 ready"); p.done
-    1
+    ``update(0, ...)`` reports a step of the preparation before any worker can
+    join (the controller started, the engine zygote warm); ``update(1, ...)`` a
+    worker that joined. :attr:`fraction` is how far the whole start has come:
+    the first of ``total + 1`` equal shares is the preparation, whose steps
+    each cover half of what is left of it (how many there are depends on the
+    launcher), then one share per worker.
+
+    >>> p = Progress(2, "starting"); p.fraction
+    0.0
+    >>> p.update(0, "controller started"); round(p.fraction, 3)
+    0.167
+    >>> p.update(1, "worker1 ready"); p.done, round(p.fraction, 3)
+    (1, 0.667)
+    >>> p.update(1, "worker2 ready"); p.fraction
+    1.0
     >>> p.close()
     """
 
     def __init__(self, total: int, title: str) -> None:
         self.total, self.title, self.done = total, title, 0
+        self.prepared = 0  # preparation steps reported
 
     def update(self, step: int, message: str) -> None:
         self.done = min(self.total, self.done + step)
+        self.prepared += not step
         self.show(message)
+
+    @property
+    def fraction(self) -> float:
+        """How far the start has come, from 0 to 1."""
+        prep = 1.0 if self.done else 1.0 - 0.5 ** self.prepared
+        return (prep + self.done) / (self.total + 1)
 
     def show(self, message: str) -> None:
         log.info("%s: %d/%d %s", self.title, self.done, self.total, message)

@@ -20,7 +20,7 @@ a value alive: IPython's ``Out`` history included) and :func:`forget_outputs`
 >>> [row["type"] for row in debug.owner_map()["d"]]
 ['builtins.list']
 >>> debug.why_alive(kept)["reasons"][0]
-"owner-side RRef object(s) on 'd': 1"
+"1 owner-side RRef object on 'd'"
 >>> rpc.shutdown()
 """
 
@@ -28,12 +28,13 @@ from __future__ import annotations
 
 import gc
 import sys
-import types
 from typing import Any
 
 from .. import views
 from ..agent import current_agent, gcfreeze, internal
 from ..rref import RRef
+from .referrers import Scope, is_output_name, references
+from .words import plural
 
 
 class RRefGraph(dict):
@@ -182,8 +183,8 @@ def why_alive(rref: Any, timeout: float = 10.0) -> dict[str, Any]:
         reasons.append(f"RRef {rid} is owned by no live worker (already freed)")
     else:
         if value["owner_refs"]:
-            reasons.append(f"owner-side RRef object(s) on {value['owner']!r}: "
-                           f"{value['owner_refs']}")
+            reasons.append(f"{plural(value['owner_refs'], 'owner-side RRef object')} "
+                           f"on {value['owner']!r}")
         for fork, holder in sorted(value["users"].items()):
             u = next((u for u in graph["users"]
                       if u["fork_id"] == fork and u["worker"] == holder), None)
@@ -211,34 +212,16 @@ def why_alive(rref: Any, timeout: float = 10.0) -> dict[str, Any]:
 
 @internal
 def _references_here(rid: str) -> list[str]:
-    """Python references to this worker's RRef objects with id ``rid``."""
+    """Python references to this worker's RRef objects with id ``rid``, in words
+    (see :mod:`.referrers`)."""
     agent = current_agent()
     live = agent.ext["rref"].live_objects()
     objs = [r for r in live if str(r._id) == rid]
     del live
-    main = sys.modules.get("__main__")
-    user_ns = getattr(main, "__dict__", {})
-    out_hist = user_ns.get("Out") if isinstance(user_ns.get("Out"), dict) else None
-    found: list[str] = []
     gcfreeze.thaw()  # gc.get_referrers skips frozen objects (the notebook's namespace)
     gc.collect()
-    here = sys._getframe()
-    for obj in objs:
-        for ref in gc.get_referrers(obj):
-            if ref is not objs:
-                found.extend(_describe_referrer(ref, obj, user_ns, out_hist))
-        # running functions' variables (their frames are not seen by the gc)
-        for frame in sys._current_frames().values():
-            for _ in range(64):  # bounded walk up each thread's stack
-                if frame is None:
-                    break
-                if frame is not here:
-                    for name, v in list(frame.f_locals.items()):
-                        if v is obj and frame.f_locals is not user_ns:
-                            found.append(f"local {name!r} in {frame.f_code.co_name} "
-                                         f"({frame.f_code.co_filename}:{frame.f_lineno})")
-                frame = frame.f_back
-    return sorted(set(found))
+    scope = Scope()
+    return sorted({text for obj in objs for text in references(obj, scope, ignore=(objs,))})
 
 
 @internal
@@ -257,7 +240,7 @@ def forget_outputs() -> int:
         return 0
     dropped = 0
     for d in (ns, getattr(shell, "user_ns_hidden", {})):
-        for k in [k for k, v in d.items() if _is_output_name(k) and _has_rref(v)]:
+        for k in [k for k, v in d.items() if is_output_name(k) and _has_rref(v)]:
             d[k] = None
             dropped += 1
     out = ns.get("Out")
@@ -317,7 +300,7 @@ def _outputs_here() -> dict[str, list[str]]:
     for k, v in list(out.items()) if isinstance(out, dict) else []:
         note(v, f"Out[{k}]")
     for k, v in list(ns.items()):
-        if _is_output_name(k):
+        if is_output_name(k):
             note(v, k)
     return {rid: sorted(w) for rid, w in sorted(found.items())}
 
@@ -332,42 +315,8 @@ def _has_rref(v: Any) -> bool:
     return False
 
 
-def _is_output_name(key: Any) -> bool:
-    return isinstance(key, str) and (key in ("_", "__", "___") or (
-        key[:1] == "_" and key[1:].isdigit()))
-
-
-def _describe_referrer(ref: Any, obj: Any, user_ns: dict, out_hist: dict | None) -> list[str]:
-    if isinstance(ref, types.FrameType):
-        if ref.f_code.co_name in ("_references_here", "_describe_referrer"):
-            return []
-        names = [k for k, v in ref.f_locals.items() if v is obj]
-        where = f"{ref.f_code.co_name} ({ref.f_code.co_filename}:{ref.f_lineno})"
-        return [f"local {n!r} in {where}" for n in names] or [f"a frame of {where}"]
-    if isinstance(ref, dict):
-        keys = [k for k, v in ref.items() if v is obj]
-        if ref is out_hist:
-            return [f"Out[{k}]" for k in keys]
-        if ref is user_ns or "_oh" in ref:  # the user namespace, or IPython's hidden one
-            return [f"IPython output history ({k})" if _is_output_name(k)
-                    else f"global {k!r} in __main__" for k in keys]
-        mod = ref.get("__name__") if isinstance(ref.get("__name__"), str) else None
-        if mod and ref.get("__builtins__") is not None:
-            return [f"global {k!r} in module {mod}" for k in keys]
-        return [f"a dict (key {k!r})" for k in keys] or ["a dict"]
-    if isinstance(ref, (list, tuple, set)):
-        return [f"a {type(ref).__name__} of {len(ref)} item(s)"]
-    if type(ref).__name__ == "Child":
-        return [f"pending fork {ref.fork_id} to rank {ref.to} (until accepted)"]
-    if isinstance(ref, types.CellType):
-        return ["a closure"]
-    if type(ref).__module__.startswith("IPython."):
-        return [f"IPython output history ({type(ref).__name__})"]
-    return [f"a {type(ref).__module__}.{type(ref).__qualname__} object"]
-
-
 from .trace import Trace, trace  # noqa: E402 - the trace module imports this package's deps
 
 __all__ = ["OwnerMap", "RRefGraph", "Trace", "forget_outputs", "forget_outputs_everywhere",
-           "gather", "output_refs", "owner_map", "rref_graph", "rref_table", "snapshot",
+           "gather", "output_refs", "owner_map", "plural", "rref_graph", "rref_table", "snapshot",
            "to_networkx", "trace", "why_alive"]

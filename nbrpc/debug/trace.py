@@ -43,6 +43,7 @@ from typing import Any
 from .. import views
 from ..agent import current_agent, internal
 from ..agent.agent import INTERNAL
+from .words import plural
 
 # Requests and replies are paired on (caller, callee, msg id); the other log
 # entries (RRef lifecycle, autograd stages, members gone) are point events.
@@ -232,14 +233,13 @@ class Trace:
     def __str__(self) -> str:
         requests = sum(m["kind"] != "reply" for m in self.messages)
         replies = len(self.messages) - requests
-        lines = [f"Trace of {', '.join(sorted(self.workers))}: {len(self.messages)} "
-                 f"{_plural(len(self.messages), 'message')} ({requests} "
-                 f"{_plural(requests, 'request')}, {replies} {_plural(replies, 'reply')}), "
-                 f"{len(self.events)} {_plural(len(self.events), 'event')}"]
+        lines = [f"Trace of {', '.join(sorted(self.workers))}: "
+                 f"{plural(len(self.messages), 'message')} ({plural(requests, 'request')}, "
+                 f"{plural(replies, 'reply')}), {plural(len(self.events), 'event')}"]
         for kind, pairs in sorted(self.counts().items()):
             for (a, b), (n_req, n_rep) in sorted(pairs.items()):
-                lines.append(f"  {kind}: {n_req} {_plural(n_req, 'request')}, {n_rep} "
-                             f"{_plural(n_rep, 'reply')}  {a} -> {b}")
+                lines.append(f"  {kind}: {plural(n_req, 'request')}, {plural(n_rep, 'reply')}"
+                             f"  {a} -> {b}")
         lines += [f"  lost: {name}: {why}" for name, why in sorted(self.lost.items())]
         return "\n".join(lines)
 
@@ -341,12 +341,6 @@ def _us(seconds: float) -> float:
 def _order(m: dict[str, Any]) -> tuple:
     t = m["t0"] if m["t0"] is not None else m["t1"]
     return (t if t is not None else float("inf"), m["kind"] == "reply", m["src"], m["msg_id"])
-
-
-def _plural(n: int, word: str) -> str:
-    if n == 1:
-        return word
-    return word[:-1] + "ies" if word.endswith("y") else word + "s"
 
 
 def trace(timeout: float = 10.0, internal: bool = False, settle: float = 2.0) -> Trace:

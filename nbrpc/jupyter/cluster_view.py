@@ -1,14 +1,19 @@
 """The live cluster view (``%rpc_cluster status``, ``cluster.widget()``) and its static table.
 
 One row per member: name, rank, host, pid, state, threads busy, calls in
-flight, owned RRefs and their bytes, messages per second (the difference of
-the agents' message counters between two refreshes; heartbeats and these
-status probes count too). The view refreshes itself at most twice a second
-while the cluster runs (:meth:`View.live`), marks a dead worker on the next
-refresh (the driver's agent knows at once), and stops refreshing when the
-cluster stops or the widget is closed. Each row has a Restart button, the
+flight, owned RRefs and their bytes, messages per second. That rate is the
+difference of the agents' message counters between two refreshes, less the
+view's own status probes (each refresh sends every worker a probe and gets a
+reply: two messages on the worker, two per worker on the driver), so an idle
+cluster shows its heartbeats alone (4/s a worker at the default 0.5 s).
+
+The view refreshes itself at most twice a second while the cluster runs
+(:meth:`View.live`), marks a dead worker on the next refresh (the driver's
+agent knows at once), and stops refreshing when the cluster stops or the
+widget is closed. Each row has a Restart button (in a column of its own), the
 head a Stop button; they run in a background thread, so the kernel stays
-responsive, and their outcome lands in the status line.
+responsive, and their outcome lands in the status line. A stop, from here or
+from a cell, makes every older view of the cluster draw it stopped and say so.
 
 :func:`cluster_html` is the static table (no buttons): the view's static
 repr, and the HTML display of a :class:`~nbrpc.cluster.ClusterStatus` once
@@ -38,16 +43,21 @@ from typing import Any
 
 from ..cluster import Cluster, ClusterStatus, WorkerStatus
 from .svg import STATE_COLOURS, esc, fmt_bytes
-from .view import View, button, toggle, varies
+from .view import STATUS_STYLE, View, button, check_open_views, toggle, varies
 
 log = logging.getLogger(__name__)
 
 MAX_ROWS = 64  # members drawn; the rest are summarised (the dead ones are drawn first)
 PERIOD = 0.5  # seconds between live refreshes: at most 2 Hz
-DEAD_BACKGROUND = "#fdecea"
-SELECTED_BACKGROUND = "#fff3e0"
+# rows marked by a translucent tint: the theme's text reads over it, light or dark
+DEAD_BACKGROUND = "rgba(198, 40, 40, 0.1)"
+SELECTED_BACKGROUND = "rgba(255, 152, 0, 0.16)"
 COLUMNS = ("name", "rank", "host", "pid", "state", "threads busy", "calls in flight",
            "owned RRefs", "bytes owned", "messages/s", "note")
+ACTION = "action"  # the live table's last column: a worker's Restart button
+HINTS = {"messages/s": "messages sent and received per second, less this view's own "
+                       "status probes (heartbeats count)"}
+OWN_PER_PROBE = 2  # messages one status probe costs a worker: the request and its reply
 
 # The one view per cluster that refreshes live: a newer view of the same cluster
 # takes over, so a notebook that shows the status often still probes at 2 Hz.
@@ -66,16 +76,27 @@ def _shown(workers: list[WorkerStatus], limit: int) -> list[WorkerStatus]:
     return sorted(keep, key=lambda w: w.rank)
 
 
+def _state_style(state: str) -> str:
+    """A state's colour: view.css's shade for the theme where view.css is loaded (the
+    widget, JupyterLab light or dark), else svg.py's hue mixed with the text colour,
+    which reads on a light and a dark page (a saved notebook elsewhere)."""
+    hue = STATE_COLOURS.get(state)
+    if hue is None:
+        return ""
+    return (f' style="color:var(--nbrpc-state-{state}, '
+            f'color-mix(in srgb, {hue} 60%, currentColor))"')
+
+
 def _row(w: WorkerStatus, rate: float | None, buttons: bool, selected: bool,
          busy: bool) -> str:
-    state = (f'<b style="color:{STATE_COLOURS.get(w.state, "#000")}">{esc(w.state)}</b>')
+    state = f"<b{_state_style(w.state)}>{esc(w.state)}</b>"
     where = varies(f"<td>{esc(w.host or '')}</td><td>{esc(w.pid or '')}</td>")
     counters = varies(
-        f"<td>{w.busy_threads}/{w.threads}</td><td>{w.in_flight}</td><td>{w.owned_rrefs}</td>"
-        f"<td>{fmt_bytes(w.owned_bytes)}</td><td>{_rate(rate)}</td>"
-        f"<td>{esc(w.detail)}</td>")
+        f"<td>{w.busy_threads}/{w.threads}</td><td>{w.in_flight}</td>"
+        f"<td>{w.owned_rrefs}</td><td>{fmt_bytes(w.owned_bytes)}</td>"
+        f"<td>{_rate(rate)}</td><td>{esc(w.detail)}</td>")
     action = ""
-    if buttons:
+    if buttons:  # a column of its own, after the note
         if w.rank == 0:
             action = "<td></td>"
         else:
@@ -89,8 +110,8 @@ def _row(w: WorkerStatus, rate: float | None, buttons: bool, selected: bool,
     elif selected:
         style = f' style="background:{SELECTED_BACKGROUND}"'
     mark = ' class="nbrpc-selected"' if selected else ""
-    return (f'<tr data-key="worker:{esc(w.name)}"{mark}{style}><td><b>{esc(w.name)}</b></td>'
-            f"<td>{w.rank}</td>{where}<td>{state}</td>{counters}{action}</tr>")
+    return (f'<tr data-key="worker:{esc(w.name)}"{mark}{style}><td><b>{esc(w.name)}</b>'
+            f"</td><td>{w.rank}</td>{where}<td>{state}</td>{counters}{action}</tr>")
 
 
 def cluster_html(status: ClusterStatus, rates: dict[str, float | None] | None = None,
@@ -100,21 +121,21 @@ def cluster_html(status: ClusterStatus, rates: dict[str, float | None] | None = 
     live view's body (a Restart button per worker, disabled while ``busy``;
     no ``heading``: the widget's title says it)."""
     rates = rates or {}
-    head = "".join(f"<th>{esc(c)}</th>" for c in COLUMNS) + ("<th></th>" if buttons else "")
+    head = "".join(_th(c, hint=buttons) for c in COLUMNS + ((ACTION,) if buttons else ()))
     shown = _shown(status.workers, limit)
     rows = [_row(w, rates.get(w.name), buttons, w.name == selected, busy) for w in shown]
     if len(shown) < len(status.workers):
         hidden = [w for w in status.workers if w not in shown]
         states = ", ".join(f"{sum(w.state == s for w in hidden)} {s}"
                            for s in sorted({w.state for w in hidden}))
-        rows.append(f'<tr><td colspan="{len(COLUMNS)}">… and {len(hidden):,} more '
-                    f"({esc(states)})</td></tr>")
+        rows.append(f'<tr><td colspan="{len(COLUMNS) + buttons}">… and '
+                    f"{len(hidden):,} more ({esc(states)})</td></tr>")
     if len(status.workers) > 1:
         known = [r for r in (rates.get(w.name) for w in status.workers) if r is not None]
         total = sum(known) if known else None
         rows.append(
-            '<tr style="border-top:1px solid #999"><td><i>all</i></td><td></td><td></td>'
-            "<td></td><td></td>" + varies(
+            '<tr style="border-top:1px solid #999"><td><i>all</i></td>'
+            + "<td></td>" * 4 + varies(
                 f"<td>{sum(w.busy_threads for w in status.workers)}/"
                 f"{sum(w.threads for w in status.workers)}</td>"
                 f"<td>{sum(w.in_flight for w in status.workers)}</td>"
@@ -127,6 +148,13 @@ def cluster_html(status: ClusterStatus, rates: dict[str, float | None] | None = 
              f"<tbody>{body}</tbody></table>") if status.workers else ""
     head_line = f"<b>{esc(status.summary())}</b>" if heading else ""
     return f"<div>{head_line}{table}</div>"
+
+
+def _th(column: str, hint: bool) -> str:
+    """A header cell; the live table's say what they count on hover. (The static
+    table's markup is what the tutorials' saved outputs compare: kept plain.)"""
+    title = f' title="{esc(HINTS[column])}"' if hint and column in HINTS else ""
+    return f"<th{title}>{esc(column)}</th>"
 
 
 def _details(w: WorkerStatus, rate: float | None) -> str:
@@ -150,7 +178,13 @@ class ClusterView(View):
     ``live``: refresh every ``period`` seconds (at least 0.5) while the cluster
     runs; a newer live view of the same cluster takes over from this one.
     ``text/plain`` is the status's text (names, ranks, states): deterministic.
+
+    Its group is the cluster: once the cluster has stopped, the view draws it
+    stopped and says so; Refresh and the rows still answer (they read the
+    cluster object), and a cluster started again brings the view back.
     """
+
+    group_controls = frozenset({"stop"})
 
     def __init__(self, cluster: Cluster, live: bool = True, period: float = PERIOD,
                  probe_timeout: float = 1.0, action_timeout: float | None = None) -> None:
@@ -162,6 +196,7 @@ class ClusterView(View):
         self.selected: str | None = None
         self.note = ""  # the outcome of the last action, kept in the status line
         self._counts: tuple[float, dict[str, tuple[Any, int]]] | None = None
+        self._probed = 0  # workers the last refresh probed
         self._lock = threading.RLock()
         self._action: threading.Thread | None = None
         self._action_what = ""
@@ -174,6 +209,8 @@ class ClusterView(View):
     def refresh(self) -> None:
         """Probe every member (bounded by ``probe_timeout``) and redraw."""
         with self._lock:
+            if self.gone and self.cluster.state == "running":  # started again
+                self.gone = False
             try:
                 status = self.cluster.status(self.probe_timeout)
             except Exception as e:  # noqa: BLE001 - a stopping cluster: said, not raised
@@ -186,18 +223,30 @@ class ClusterView(View):
 
     def _measure(self, status: ClusterStatus) -> None:
         """messages/s per member: the counters' difference since the last refresh
-        (none for a member that is new or restarted since)."""
+        (none for a member that is new or restarted since), less this view's own
+        probes. Each worker reads its counters inside a probe, so between two reads
+        it has seen one probe's reply and the next probe's request; the driver reads
+        its own before probing, so between two reads it has sent the last refresh's
+        probes and had their replies."""
         now = time.monotonic()
         counts = {w.name: (w.pid, w.messages) for w in status.workers if w.pid is not None}
+        probed = sum(w.rank != 0 and w.state in ("ready", "busy") for w in status.workers)
         if self._counts is not None:
             then, before = self._counts
             dt = max(now - then, 1e-6)
             self.rates = {}
-            for name, (pid, n) in counts.items():
-                old = before.get(name)
-                ok = old is not None and old[0] == pid and n >= old[1]
-                self.rates[name] = (n - old[1]) / dt if ok and old is not None else None
+            for w in status.workers:
+                if w.name not in counts:
+                    continue
+                pid, n = counts[w.name]
+                old = before.get(w.name)
+                if old is None or old[0] != pid or n < old[1]:
+                    self.rates[w.name] = None
+                    continue
+                own = OWN_PER_PROBE * (self._probed if w.rank == 0 else 1)
+                self.rates[w.name] = max(0, n - old[1] - own) / dt
         self._counts = (now, counts)
+        self._probed = probed
 
     def _draw(self) -> None:
         with self._lock:
@@ -240,10 +289,17 @@ class ClusterView(View):
     def static_html(self) -> str:
         """The table as it stands (no buttons); hosts, pids and counters marked as varying."""
         panel = (f'<div class="nbrpc-panel">{varies(self.panel)}</div>' if self.panel else "")
-        status = (f'<div style="color:#666">{varies(esc(self.status))}</div>'
+        status = (f'<div style="{STATUS_STYLE}">{varies(esc(self.status))}</div>'
                   if self.status else "")
         return (f'<div class="nbrpc-static">{cluster_html(self.snapshot, self.rates)}'
                 f"{panel}{status}</div>")
+
+    @property
+    def group_gone(self) -> bool:
+        return self.cluster.state == "stopped"
+
+    def on_group_gone(self) -> None:
+        self.refresh()  # the cluster as it is: stopped
 
     def __getitem__(self, name: str) -> WorkerStatus:
         """The last refresh's row of member ``name`` (as ``ClusterStatus[name]``)."""
@@ -334,6 +390,7 @@ class ClusterView(View):
             self._action = None
             self.note = note
             self.refresh()
+        check_open_views()  # a stop: every view of the cluster's group says so
 
     def wait_action(self, timeout: float | None = None) -> bool:
         """Wait for the running action (bounded: ``action_timeout`` by default);

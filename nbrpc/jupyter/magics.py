@@ -23,6 +23,7 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 
 from ..cluster import Cluster, ClusterError, ClusterStatus
+from ..errors import CellError
 from . import formatters
 
 log = logging.getLogger(__name__)
@@ -222,7 +223,9 @@ class ClusterMagics(Magics):
     @cell_magic
     def rpc_on(self, line: str, cell: str) -> None:
         """Run the cell on the named workers' engines: ``%%rpc_on worker2`` (or several
-        names, or ``all``); output is shown per worker, sorted by rank."""
+        names, or ``all``); output is shown per worker, sorted by rank. If the cell
+        raises on any of them, :class:`~nbrpc.errors.CellError` shows each one's own
+        traceback of the cell, headed by its name."""
         parser = _on_parser()
         try:
             args = parser.parse_args(shlex.split(line))
@@ -237,19 +240,28 @@ class ClusterMagics(Magics):
         order = sorted(names, key=lambda n: cluster.workers[n].rank)
         results = {n: cluster.view(n).execute(cell, silent=False, block=False) for n in order}
         _wait_all(list(results.values()), args.timeout)
-        errors = []
+        errors = {}
         for name in order:
             ar = results[name]
             _show_output(name, ar, several=len(order) > 1)
             try:
                 ar.get(0)
             except Exception as e:  # noqa: BLE001 - reported below, per worker
-                errors.append((name, e))
+                errors[name] = _worker_error(e)
         if errors:
-            name, first = errors[0]
-            more = f" (and on {[n for n, _ in errors[1:]]})" if len(errors) > 1 else ""
-            raise RuntimeError(f"the cell failed on {name}{more}: see its traceback above "
-                               "the call") from first
+            raise CellError(errors)
+
+
+def _worker_error(e: Exception) -> tuple[str, str, str]:
+    """A worker's failure as (type name, message, traceback): ipyparallel's
+    RemoteError carries the engine's own traceback (as its IPython wrote it:
+    the cell's frames); its engine id and method ("[1:execute]") are left out."""
+    name = getattr(e, "ename", None) or type(e).__name__
+    message = getattr(e, "evalue", None)
+    if message is None:
+        message = str(e)
+    tb = getattr(e, "traceback", None)
+    return name, message, tb if isinstance(tb, str) else f"{name}: {message}"
 
 
 def _wait_all(results: list[Any], timeout: float | None) -> None:

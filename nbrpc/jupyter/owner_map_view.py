@@ -24,16 +24,21 @@ from collections import defaultdict
 from typing import Any
 
 from .. import debug
-from .svg import clip, esc, fmt_bytes, svg
+from .svg import ERROR, MUTED, RULE, STRIPE, clip, clip_middle, esc, fmt_bytes, svg
 from .view import View, button
 
 OWNER_ONLY = "(owner only)"
 PANEL_LIMIT = 300  # values listed in the panel
 MAX_WORKERS = 64  # rows and columns drawn; the rest are summarised
-# one colour per holder (Okabe-Ito, then greys); the owner-only share is light grey
+# one colour per holder (Okabe-Ito, its black swapped for an olive that shows on a
+# dark background too, then others); the owner-only share is light grey
 PALETTE = ["#0072B2", "#009E73", "#E69F00", "#CC79A7", "#56B4E9", "#D55E00", "#F0E442",
-           "#000000", "#7f7f7f", "#a6761d", "#1b9e77", "#7570b3"]
+           "#999933", "#7f7f7f", "#a6761d", "#1b9e77", "#7570b3"]
 OWNER_ONLY_COLOUR = "#d0d0d0"
+# a matrix cell's blue: its opacity grows with its bytes, up to a shade on which the
+# theme's text colour (its count) still reads at 4.5:1 in both themes
+CELL_COLOUR, CELL_SHADE = "#0072B2", (0.08, 0.55)
+CHAR_W, BOLD_W = 6.6, 7.4  # px a character of 11 px sans-serif takes at most (bold)
 
 
 def holders_of(omap: dict[str, list[dict[str, Any]]]) -> list[str]:
@@ -95,16 +100,17 @@ def owner_map_svg(omap: dict[str, list[dict[str, Any]]], max_workers: int = MAX_
     biggest = max([sum(s.values()) for s in shares.values()] + [1])
     name_w, bar_w, row, top = 90, 260, 22, 46
     cell_w = max(44, min(80, 640 // max(1, len(holders))))
-    mx = name_w + bar_w + 90
-    width = mx + cell_w * len(holders) + 10
+    mx = name_w + bar_w + 100
+    heading = "values held (owner row → holder column)"
+    width = mx + max(cell_w * len(holders), BOLD_W * len(heading)) + 10
     height = top + row * len(owners) + 40
     parts = [f'<text x="{name_w}" y="14" font-weight="bold">bytes owned, by holder</text>',
-             f'<text x="{mx}" y="14" font-weight="bold">values held (owner row → holder '
-             "column)</text>"]
+             f'<text x="{mx}" y="14" font-weight="bold">{esc(heading)}</text>']
     for j, h in enumerate(holders):
         cx = mx + j * cell_w + cell_w / 2
-        parts.append(f'<text x="{cx:.0f}" y="{top - 8}" text-anchor="middle" font-size="10">'
-                     f"{esc(clip(h, 9))}<title>{esc(h)}</title></text>")
+        shown = clip_middle(h, max(3, int((cell_w - 4) / CHAR_W)))
+        parts.append(f'<text x="{cx:.0f}" y="{top - 8}" text-anchor="middle">'
+                     f"{esc(shown)}<title>{esc(h)}</title></text>")
     biggest_cell = max([b for _, b in cells.values()] + [1])
     for i, owner in enumerate(owners):
         y = top + i * row
@@ -120,38 +126,39 @@ def owner_map_svg(omap: dict[str, list[dict[str, Any]]], max_workers: int = MAX_
                         f'height="{row - 6}" fill="{colours[h]}"><title>{esc(owner)}: '
                         f"{fmt_bytes(b)} held by {esc(h)}</title></rect>")
             x += w
+        stripe = STRIPE if i % 2 == 0 else 'fill="transparent"'  # (a click target too)
         parts.append(
             f'<g class="nbrpc-owner" data-key="worker:{esc(owner)}" data-f="worker" '
             f'data-f-worker="{esc(owner)}"><rect x="0" y="{y}" width="{width:.0f}" '
-            f'height="{row}" fill="{"#f3f6f9" if i % 2 == 0 else "#ffffff"}"/>'
-            f'<text x="4" y="{y + 15}" font-weight="bold">{esc(clip(owner, 13))}</text>'
-            f'{"".join(segs)}<text x="{x + 4:.0f}" y="{y + 15}" font-size="10" fill="#555">'
+            f'height="{row}" {stripe}/>'
+            f'<text x="4" y="{y + 15}" font-weight="bold">{esc(clip(owner, 12))}</text>'
+            f'{"".join(segs)}<text x="{x + 4:.0f}" y="{y + 15}" {MUTED}>'
             f"{len(rows)} · {fmt_bytes(size)}</text>")
         for j, h in enumerate(holders):
             n, b = cells.get((owner, h), (0, 0))
             cx = mx + j * cell_w
-            shade = 0.12 + 0.78 * (b / biggest_cell) if n else 0.0
+            lo, hi = CELL_SHADE
+            shade = lo + (hi - lo) * (b / biggest_cell) if n else 0.0
             parts.append(
                 f'<rect x="{cx + 1}" y="{y + 1}" width="{cell_w - 2}" height="{row - 2}" '
-                f'fill="#0072B2" fill-opacity="{shade:.2f}" stroke="#ddd"><title>{esc(h)} holds '
-                f"{n} value(s) of {esc(owner)}: {fmt_bytes(b)}</title></rect>"
-                + (f'<text x="{cx + cell_w / 2:.0f}" y="{y + 15}" text-anchor="middle" '
-                   f'font-size="10" fill="{"#fff" if shade > 0.5 else "#222"}">{n}</text>'
-                   if n else ""))
+                f'fill="{CELL_COLOUR}" fill-opacity="{shade:.2f}" {RULE}><title>{esc(h)} holds '
+                f"{debug.plural(n, 'value')} of {esc(owner)}: {fmt_bytes(b)}</title></rect>"
+                + (f'<text x="{cx + cell_w / 2:.0f}" y="{y + 15}" text-anchor="middle">{n}'
+                   "</text>" if n else ""))
         parts.append("</g>")
     more = len(omap) - len(owners)
     y = top + row * len(owners) + 16
     legend, lx = [], float(name_w)
     for h in [*holders[:10], OWNER_ONLY]:
         legend.append(f'<rect x="{lx:.0f}" y="{y - 9}" width="10" height="10" '
-                      f'fill="{colours[h]}"/><text x="{lx + 13:.0f}" y="{y}" font-size="10">'
+                      f'fill="{colours[h]}"/><text x="{lx + 13:.0f}" y="{y}">'
                       f"{esc(clip(h, 14))}</text>")
-        lx += 22 + 6 * len(clip(h, 14))
+        lx += 24 + CHAR_W * len(clip(h, 14))
     if more:
-        legend.append(f'<text x="4" y="{y + 18}" fill="#c62828">… and {more:,} more workers'
+        legend.append(f'<text x="4" y="{y + 18}" {ERROR}>… and {more:,} more workers'
                       "</text>")
-    return svg(width, height + (18 if more else 0), "".join(parts + legend),
-               f"owner map of {len(omap)} workers")
+    return svg(max(width, lx), height + (18 if more else 0), "".join(parts + legend),
+               f"owner map of {len(omap)} workers", themed=True)
 
 
 def owner_map_html(omap: dict[str, list[dict[str, Any]]]) -> str:
@@ -167,8 +174,9 @@ def values_html(owner: str, rows: list[dict[str, Any]], limit: int = PANEL_LIMIT
         f"<td>{esc(fmt_bytes(r['nbytes']))}</td><td>{esc(', '.join(r['held_by']) or '—')}</td>"
         f"<td>{esc(r['site'])}</td></tr>" for r in rows[:limit])
     more = (f"<div>… and {len(rows) - limit:,} more</div>" if len(rows) > limit else "")
-    return (f"<b>{esc(owner)} owns {len(rows)} value(s)</b><table><tr><th>id</th><th>type</th>"
-            f"<th>size</th><th>held by</th><th>created at</th></tr>{body}</table>{more}")
+    return (f"<b>{esc(owner)} owns {debug.plural(len(rows), 'value')}</b><table><tr>"
+            f"<th>id</th><th>type</th><th>size</th><th>held by</th><th>created at</th></tr>"
+            f"{body}</table>{more}")
 
 
 class OwnerMapView(View):

@@ -12,14 +12,24 @@ from IPython.display import display
 
 from ..cluster.progress import Progress
 
+STEPS = 16  # parts of each share of the bar (the preparation's, and each worker's)
+
 
 class WidgetProgress(Progress):
     """An ipywidgets bar with a label, shown at once; closed (removed) when the start ends.
+    The bar moves with every step the cluster reports (:attr:`Progress.fraction`:
+    the controller, the engine zygote, each worker joining), the label says which.
+
+    It is displayed as a bar of ``total`` workers, so that a saved notebook's
+    text of it (which the tutorials compare) names the workers started; from the
+    first step on it counts in :data:`STEPS` parts of a worker's share.
 
     >>> p = WidgetProgress(2, title="starting")  # outside IPython, display() prints it
     HBox(children=(IntProgress(value=0, max=2), Label(value='starting')))
-    >>> p.update(1, "worker1 ready"); p.bar.value, p.label.value
-    (1, 'starting: 1/2 worker1 ready')
+    >>> p.update(0, "controller started"); p.bar.value, p.bar.max, p.label.value
+    (8, 48, 'starting: 0/2 controller started')
+    >>> p.update(1, "worker1 ready"); p.bar.value, p.bar.max, p.label.value
+    (32, 48, 'starting: 1/2 worker1 ready')
     >>> p.close()
     """
 
@@ -31,7 +41,9 @@ class WidgetProgress(Progress):
         display(self.box)
 
     def show(self, message: str) -> None:
-        self.bar.value = self.done
+        with self.bar.hold_sync():
+            self.bar.max = STEPS * (self.total + 1)
+            self.bar.value = round(self.fraction * self.bar.max)
         self.label.value = f"{self.title}: {self.done}/{self.total} {message}"
 
     def close(self, message: str = "") -> None:

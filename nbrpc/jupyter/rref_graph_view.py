@@ -42,7 +42,7 @@ from typing import Any
 
 from .. import debug
 from ..agent import current_agent
-from .svg import clip, esc, fmt_bytes, svg
+from .svg import BACKING, ERROR, MUTED, STRIPE, clip, esc, fmt_bytes, svg
 from .view import View, button, toggle, varies
 
 log = logging.getLogger(__name__)
@@ -61,6 +61,12 @@ FLAG_TEXT = {
     "output": "kept by IPython's output history (a cell displayed it)",
 }
 LEAKS = ("orphan", "unreferenced", "gone-holder")
+# A value's box: its outline says what it is; its fill is that hue, faint, so that
+# the theme's text colour reads on it in a light and a dark theme alike.
+LEAK_BOX = ('fill="#c62828" fill-opacity="0.12"', "#c62828")
+OUTPUT_BOX = ('fill="#E69F00" fill-opacity="0.15"', "#E69F00")
+PLAIN_BOX = ('fill="currentColor" fill-opacity="0.03"', "#5b7083")
+NO_FILL = 'fill="none"'
 
 
 def natural(text: str) -> tuple:
@@ -203,7 +209,7 @@ def graph_svg(model: dict[str, Any]) -> str:
             rows.append((y, w, None))
             y += 18
     height = y + 10
-    width = max(20 + col * len(lanes), 560)  # at least the legend
+    width = max(20 + col * len(lanes), 600)  # at least the legend
     parts = [_legend()]
     for i, w in enumerate(lanes):
         owned = [n for n in model["nodes"].values()
@@ -213,11 +219,11 @@ def graph_svg(model: dict[str, Any]) -> str:
         parts.append(
             f'<g data-f="worker" data-f-worker="{esc(w)}"><rect x="{x[w]:.0f}" y="{TOP - 22}" '
             f'width="{col:.0f}" height="{height - TOP + 22:.0f}" '
-            f'fill="{"#f3f6f9" if i % 2 == 0 else "#ffffff"}"/>'
+            f'{STRIPE if i % 2 == 0 else NO_FILL}/>'
             f'<text x="{x[w] + col / 2:.0f}" y="{TOP - 10}" text-anchor="middle" '
-            f'font-weight="bold" fill="{"#c62828" if gone else "#222"}">{esc(clip(w, 20))}'
-            f'{" (gone)" if gone else ""}<title>{esc(w)}: owns {len(owned)} value(s), '
-            f"{fmt_bytes(size)}</title></text></g>")
+            f'font-weight="bold"{" " + ERROR if gone else ""}>{esc(clip(w, int(col / 7.4)))}'
+            f'{" (gone)" if gone else ""}<title>{esc(w)}: owns '
+            f'{debug.plural(len(owned), "value")}, {fmt_bytes(size)}</title></text></g>')
     for y0, _, n in rows:
         if n is not None:
             parts.append(_edges(n, y0 + row / 2, x, col))
@@ -227,7 +233,7 @@ def graph_svg(model: dict[str, Any]) -> str:
         else:
             parts.append(_node(n, x[w], y0, col, row, compact, n["rid"] == model["select"]))
     label = f"RRef graph of {', '.join(model['lanes'])}"
-    return svg(width, height, "".join(parts), label)
+    return svg(width, height, "".join(parts), label, themed=True)
 
 
 def _legend() -> str:
@@ -237,12 +243,11 @@ def _legend() -> str:
         stroke, dash = EDGE[kind]
         out.append(f'<line x1="{x0}" y1="12" x2="{x0 + 24}" y2="12" stroke="{stroke}" '
                    f'stroke-width="2"{dash}/><text x="{x0 + 28}" y="16">{text}</text>')
-        x0 += 40 + 6 * len(text)
-    for fill, stroke, text in (("#fdecea", "#c62828", "leaked / orphaned"),
-                               ("#fff4e0", "#E69F00", "in Out[n]")):
-        out.append(f'<rect x="{x0}" y="5" width="14" height="12" fill="{fill}" '
+        x0 += 40 + 6.6 * len(text)
+    for (fill, stroke), text in ((LEAK_BOX, "leaked / orphaned"), (OUTPUT_BOX, "in Out[n]")):
+        out.append(f'<rect x="{x0}" y="5" width="14" height="12" {fill} '
                    f'stroke="{stroke}" stroke-width="2"/><text x="{x0 + 18}" y="16">{text}</text>')
-        x0 += 30 + 6 * len(text)
+        x0 += 30 + 6.6 * len(text)
     return "".join(out)
 
 
@@ -256,7 +261,8 @@ def _edges(n: dict[str, Any], cy: float, x: dict[str, float], col: float) -> str
         stroke, dash = EDGE[kind]
         hx = x.get(holder, ox) + col / 2
         sx = ox + col - 8 if hx > ox + col / 2 else ox + 8
-        dot = (f'<circle cx="{hx:.0f}" cy="{cy:.0f}" r="4" fill="{"#fff" if kind != "held" else stroke}" '
+        fill = f'fill="{stroke}"' if kind == "held" else BACKING  # hollow: not confirmed
+        dot = (f'<circle cx="{hx:.0f}" cy="{cy:.0f}" r="4" {fill} '
                f'stroke="{stroke}" stroke-width="1.5"/>')
         out.append(f'<g data-f="worker" data-f-worker="{esc(n["owner"])} {esc(holder)}">'
                    f'<line x1="{sx:.0f}" y1="{cy:.0f}" x2="{hx:.0f}" y2="{cy:.0f}" '
@@ -278,13 +284,12 @@ def _edges(n: dict[str, Any], cy: float, x: dict[str, float], col: float) -> str
 def _node(n: dict[str, Any], x0: float, y0: float, col: float, row: float, compact: bool,
           selected: bool) -> str:
     leak = any(f in LEAKS for f in n["flags"])
-    fill, stroke = (("#fdecea", "#c62828") if leak else ("#fff4e0", "#E69F00")
-                    if "output" in n["flags"] else ("#ffffff", "#5b7083"))
+    fill, stroke = LEAK_BOX if leak else OUTPUT_BOX if "output" in n["flags"] else PLAIN_BOX
     if n["state"] in ("pending", "error"):
         stroke = "#1565c0" if n["state"] == "pending" else "#c62828"
     if selected:
         stroke = "#ff6f00"
-    width, chars = col - 16, int((col - 24) / 5.6)
+    width, chars = col - 16, int((col - 24) / 6.4)
     dash = ' stroke-dasharray="4,2"' if n["state"] in ("missing", "pending") else ""
     head = f"{n['rid']} {short_type(n['type'])}"
     sub = f"{fmt_bytes(n['nbytes'])} · {n['site']}"
@@ -292,7 +297,7 @@ def _node(n: dict[str, Any], x0: float, y0: float, col: float, row: float, compa
             if compact else
             f'<text x="{x0 + 12:.0f}" y="{y0 + 12:.0f}" font-weight="bold">'
             f'{esc(clip(head, chars))}</text><text x="{x0 + 12:.0f}" y="{y0 + 24:.0f}" '
-            f'font-size="10" fill="#555">{esc(clip(sub, chars + 2))}</text>')
+            f'{MUTED}>{esc(clip(sub, chars))}</text>')
     tip = [f"RRef {n['rid']} owned by {n['owner']}: {n['type'] or '?'} "
            f"({fmt_bytes(n['nbytes'])}), {n['state']}", f"created at {n['site']}",
            f"owner-side RRefs: {n['owner_refs']}",
@@ -305,7 +310,7 @@ def _node(n: dict[str, Any], x0: float, y0: float, col: float, row: float, compa
     return (f'<g class="nbrpc-rref{" nbrpc-selected" if selected else ""}" '
             f'data-key="{esc(n["rid"])}" data-f="worker state" data-f-worker="{holders}" '
             f'data-f-state="{" ".join(sorted(states))}"><rect x="{x0 + 8:.0f}" y="{y0 + 1:.0f}" '
-            f'width="{width:.0f}" height="{row - 3:.0f}" rx="4" fill="{fill}" stroke="{stroke}" '
+            f'width="{width:.0f}" height="{row - 3:.0f}" rx="4" {fill} stroke="{stroke}" '
             f'stroke-width="{3 if selected else 2 if leak else 1.2}"{dash}/>'
             # Out[n]'s numbers follow the kernel's execution count: not compared
             f"{text}<title>{esc(chr(10).join(tip))}"
@@ -317,8 +322,8 @@ def _summary(w: str, hidden: list[dict[str, Any]], x0: float, y0: float, col: fl
     types = Counter(short_type(n["type"]) for n in hidden).most_common(3)
     what = ", ".join(f"{t} ×{k:,}" for t, k in types)
     return (f'<g data-key="more:{esc(w)}" data-f="worker" data-f-worker="{esc(w)}">'
-            f'<text x="{x0 + 12:.0f}" y="{y0 + 13:.0f}" fill="#c62828">'
-            f'{esc(clip(f"… and {len(hidden):,} more ({what})", int((col - 16) / 5.4)))}'
+            f'<text x="{x0 + 12:.0f}" y="{y0 + 13:.0f}" {ERROR}>'
+            f'{esc(clip(f"… and {len(hidden):,} more ({what})", int((col - 16) / 6.4)))}'
             f"<title>{len(hidden):,} more values on {esc(w)} ({esc(what)}); click to list"
             "</title></text></g>")
 
@@ -388,7 +393,7 @@ class RRefGraphView(View):
         self.render_ms = (time.perf_counter() - t0) * 1e3
         forgot = ("; forgot " + ", ".join(f"{k} on {w}" for w, k in self.forgot.items())
                   if self.forgot is not None else "")
-        self.status = (f"{c['forks']} user forks, {c['pending']} pending, {c['deleting']} "
+        self.status = (f"{debug.plural(c['forks'], 'user fork')}, {c['pending']} pending, {c['deleting']} "
                        f"deleting, {c['flagged']} flagged, {c['outputs']} in Out[n]{forgot}; "
                        f"read at {time.strftime('%H:%M:%S')}")
 

@@ -2,11 +2,22 @@
 
 One lane per worker holds its part of the graph (``stepper.graph()``): the
 entry points at the top (the roots; a *send* function per message this worker
-sent, where that message's gradients come back), autograd nodes below, leaves
-at the bottom (received tensors dashed: their gradients go back to the
-sender). Purple arrows between lanes are gradients travelling between workers,
-labelled with their norm once sent. The stage that just ran is orange (its
-lane and its nodes), earlier stages green.
+sent, where that message's gradients come back), autograd nodes below (named
+without the ``Backward`` suffix they all share; the full name shows on hover),
+leaves on the last rows (received tensors dashed: their gradients go back to
+the sender). Lanes narrow, fewer boxes to a row, until the drawing fits
+``MAX_WIDTH`` (a 900 px notebook column); past one box to a row it scrolls.
+
+Purple arrows are gradients travelling between workers, labelled with their
+norm once sent. They never cross a lane: each drops out of its received leaf
+into a channel under the lanes, rises in the gap beside the lane it goes to,
+and enters its send box from a channel above the lanes; every arrow has a
+track of its own in each channel and gap. The stage that just ran is orange
+(its lane and its nodes), earlier stages green. Text and lines take the
+notebook theme's colours (``svg(..., themed=True)``: the text colour around
+the drawing); the hues that mean something (a worker, a state, a gradient) fill
+boxes, swatches and lines, and colour text only through view.css's
+``.nbrpc-kind-*`` shades, which read on a light and a dark theme.
 
 The records name executed nodes by type only, so which nodes of the graph ran
 is found by replaying the engine's dependency counting over the graph data
@@ -34,18 +45,30 @@ import re
 from collections import Counter
 from typing import Any
 
-from .svg import KIND_COLOURS, clip, esc, svg
+from .svg import BACKING, KIND_COLOURS, MUTED, RULE, STRIPE, clip, esc, svg
 
 log = logging.getLogger(__name__)
 
 MAX_NODES = 60  # nodes drawn per worker; the rest are counted
 MAX_WORKERS = 16
 MAX_ROWS = 40  # rows of the panel's lists
-PER_ROW, NODE_W, NODE_H, ROW_H = 4, 126, 22, 36
-TOP, PAD = 34, 10
+MAX_WIDTH = 860  # the drawing's width budget: a 900 px column less its margins
+PER_ROW = 4  # boxes to a row at most, fewer when the lanes must fit MAX_WIDTH
+NODE_W, NODE_H, SLOT_W, ROW_H = 108, 28, 116, 40  # a box, and the grid it sits on
+LINE_CHARS = 17  # characters of a box's label line (11 px text in NODE_W)
+PAD, HEAD = 10, 24  # a lane's padding and title row
+GAP, CHANNEL, TOP_BAND, LABEL_H = 12, 6, 10, 13  # room between lanes; an arrow's track
+LEGEND_W = 620
 WORKER_COLOURS = ["#0072B2", "#E69F00", "#009E73", "#CC79A7", "#56B4E9", "#D55E00",
-                  "#F0E442", "#000000"]
-LAST, EARLIER, NOT_YET = "#ffcc80", "#c8e6c9", "#ffffff"
+                  "#F0E442", "#7f7f7f"]
+# states: the box fill, translucent over the theme's background (the text colour
+# reads on it at 4.5:1 or more, light or dark theme); a box not run yet is the
+# background itself
+LAST, EARLIER, NOT_YET = "#ff9800", "#4caf50", "none"
+FILL_OPACITY = {LAST: 0.4, EARLIER: 0.3}
+HOT_STROKE, ENTRY_STROKE, UNSENT = "#ef6c00", "#757575", "#9e9e9e"
+GRADIENT = "nbrpc-kind-autograd"  # view.css's class for gradient text (its theme shade)
+_SUFFIX = re.compile(r"Backward\d*$")
 _TRIGGER = re.compile(r"^grads for send #(\d+) from (.+)$")
 
 
@@ -167,7 +190,10 @@ class _Counting:
 
 # -- drawing ---------------------------------------------------------------------------
 def _levels(d: dict[str, Any]) -> tuple[dict[int, int], int]:
-    """Each node's depth (longest path from the worker's entries, which are depth 0)."""
+    """Each node's row level: its depth (longest path from the worker's entries,
+    which are level 0), except that leaves sit on the last level and received
+    leaves on one more, under everything: a gradient leaving one drops straight
+    out of the lane."""
     depth = {n["id"]: 1 for n in d["nodes"]}
     indeg = Counter(x for n in d["nodes"] for x in set(n["next"]))
     order = [n["id"] for n in d["nodes"] if indeg[n["id"]] == 0]
@@ -181,97 +207,208 @@ def _levels(d: dict[str, Any]) -> tuple[dict[int, int], int]:
             if indeg[x] == 0:
                 order.append(x)
     kept = sorted(depth, key=lambda n: (depth[n], n))[:MAX_NODES]
-    return {n: depth[n] for n in kept}, len(depth) - len(kept)
+    recv = {n["id"]: n.get("recv") is not None for n in d["nodes"] if "leaf" in n}
+    level = {n: depth[n] for n in kept if n not in recv}
+    bottom = max(level.values(), default=0) + 1
+    own = [n for n in kept if n in recv and not recv[n]]
+    for n in own:
+        level[n] = bottom
+    for n in kept:  # received leaves on a row of their own, under everything
+        if recv.get(n):
+            level[n] = bottom + bool(own)
+    return level, len(depth) - len(kept)
+
+
+def short_name(name: str) -> str:
+    """An autograd node's name without the ``Backward`` suffix every one of them has.
+
+    >>> short_name("MkldnnRnnLayerBackward0"), short_name("AccumulateGrad"), short_name("Backward")
+    ('MkldnnRnnLayer', 'AccumulateGrad', 'Backward')
+    """
+    return _SUFFIX.sub("", name) or name
+
+
+def wrap(text: str, width: int = LINE_CHARS) -> list[str]:
+    """``text`` on at most two lines of ``width`` characters: broken at a space, else
+    between words of a CamelCase name, else anywhere; what still overflows is clipped.
+
+    >>> wrap("ConvolutionBackwardOverrideable", 16), wrap("a leaf with a long name", 16)
+    (['Convolution', 'BackwardOverrid…'], ['a leaf with a', 'long name'])
+    """
+    if len(text) <= width:
+        return [text]
+    cut = text.rfind(" ", 1, width + 1)
+    if cut > 0:
+        return [text[:cut], clip(text[cut + 1:], width)]
+    humps = [m.start() for m in re.finditer(r"(?<=[a-z0-9])[A-Z]", text[: width + 1])]
+    cut = humps[-1] if humps else width
+    return [text[:cut], clip(text[cut:], width)]
 
 
 def _node_label(node: dict[str, Any], replay: _Replay) -> str:
     if "leaf" not in node:
-        return node["name"]
+        return short_name(node["name"])
     if node.get("recv") is not None:
         return f"recv {replay.label.get(node['recv'], '?')} {node['shape']}"
     return f"leaf {node['shape']}"
 
 
+def _node_lines(node: dict[str, Any], replay: _Replay) -> list[str]:
+    """A box's label: a node's short name, wrapped; a leaf's kind, then its shape."""
+    label = _node_label(node, replay)
+    if "leaf" not in node or len(label) <= LINE_CHARS:
+        return wrap(label)
+    head, _, shape = label.partition(" [")
+    return [head, clip(f"[{shape}", LINE_CHARS)]
+
+
+class _Lane:
+    """One worker's column: its entries and nodes by row level, and its width in slots."""
+
+    def __init__(self, replay: _Replay, d: dict[str, Any]) -> None:
+        self.worker, self.data = d["worker"], d
+        self.level, self.more = _levels(d)
+        self.entries = ([("roots", ["roots"], None)] if d["roots"] else []) + [
+            (replay.label[s["msg_id"]], [f"send {replay.label[s['msg_id']]}", f"to {s['to']}"],
+             s) for s in d["sends"]]
+        self.rows: dict[int, list[Any]] = {0: [e[0] for e in self.entries]}
+        for n in self.level:
+            self.rows.setdefault(self.level[n], []).append(n)
+        self.cols = min(PER_ROW, max(map(len, self.rows.values())) or 1)  # _fit narrows it
+        self.x = self.width = self.bottom = 0.0  # set by place()
+
+    @property
+    def span(self) -> float:
+        """The lane's width at ``cols`` boxes to a row."""
+        return self.cols * SLOT_W - (SLOT_W - NODE_W) + 2 * PAD
+
+    def place(self, x: float, top: float, pos: dict[tuple[str, Any], tuple[float, float]]) -> None:
+        """Lay the boxes out in a lane whose top left corner is (``x``, ``top``)."""
+        self.x, self.width = x, self.span
+        y = top + HEAD
+        for lvl in sorted(self.rows):
+            for j, item in enumerate(self.rows[lvl]):
+                if j and j % self.cols == 0:
+                    y += ROW_H
+                pos[(self.worker, item)] = (x + PAD + (j % self.cols) * SLOT_W, y)
+            y += ROW_H
+        self.bottom = y - (ROW_H - NODE_H) + PAD + (16 if self.more else 0)
+
+
+def _fit(lanes: list[_Lane], gaps: list[float]) -> None:
+    """Fewer boxes to a row, widest lane first, until the lanes fit ``MAX_WIDTH``
+    (or every lane is one box wide; then the drawing scrolls)."""
+    while sum(gaps) + sum(ln.span for ln in lanes) > MAX_WIDTH:
+        wide = [ln for ln in lanes if ln.cols > 1]
+        if not wide:
+            return
+        # the lane with the most boxes to a row; of equal ones, the shortest grows least
+        max(wide, key=lambda ln: (ln.cols, -sum(map(len, ln.rows.values())))).cols -= 1
+
+
 def graph_svg(replay: _Replay, last: dict[str, Any] | None) -> str:
     """The lanes, nodes and gradient arrows, as an SVG element."""
     last_stage = len(replay.exact)
-    parts, lanes, pos, send_pos = [], [], {}, {}
-    x0 = PAD
-    for i, d in enumerate(replay.workers):
-        w = d["worker"]
-        depth, more = _levels(d)
-        entries = ([("roots", "roots", None)] if d["roots"] else []) + [
-            (replay.label[s["msg_id"]], f"send {replay.label[s['msg_id']]} (to {s['to']})", s)
-            for s in d["sends"]]
-        rows: dict[int, list] = {0: [e[0] for e in entries]}
-        for n in depth:
-            rows.setdefault(depth[n], []).append(n)
-        width = NODE_W * min(PER_ROW, max(len(r) for r in rows.values()) or 1) + 2 * PAD
-        y = TOP + 24
-        for lvl in sorted(rows):
-            items = rows[lvl]
-            for j, item in enumerate(items):
-                if j and j % PER_ROW == 0:
-                    y += ROW_H
-                pos[(w, item)] = (x0 + PAD + (j % PER_ROW) * NODE_W, y)
-            y += ROW_H
-        lanes.append((w, i, x0, width, y + (14 if more else 0), more, entries, depth))
-        x0 += width + PAD
-    height = max((ln[4] for ln in lanes), default=TOP + 60) + 40
-    for w, i, x, width, bottom, more, entries, depth in lanes:
-        hot = last is not None and last["worker"] == w
-        parts.append(
-            f'<g data-f="worker" data-f-worker="{esc(w)}"><rect x="{x}" y="{TOP - 20}" '
-            f'width="{width}" height="{bottom - TOP + 24}" rx="6" '
-            f'fill="{"#fff3e0" if hot else "#fafafa"}" stroke="{"#ef6c00" if hot else "#bbb"}" '
-            f'stroke-width="{2.5 if hot else 1}"/><text x="{x + 8}" y="{TOP - 4}" '
-            f'font-weight="bold" fill="{WORKER_COLOURS[i % len(WORKER_COLOURS)]}">'
-            f"{esc(clip(w, 24))}</text>")
-        if more:
-            parts.append(f'<text x="{x + 8}" y="{bottom + 2}" fill="#c62828">… and {more} more '
-                         "nodes</text>")
-        d = replay.by_name[w]
-        nodes = {n["id"]: n for n in d["nodes"]}
-        for key, _, send in entries:  # edges first, under the boxes
-            targets = d["roots"] if send is None else send["enters"]
-            parts += [_edge(pos[(w, key)], pos[(w, t)]) for t in targets if (w, t) in pos]
-        for n in depth:
-            parts += [_edge(pos[(w, n)], pos[(w, t)]) for t in nodes[n]["next"] if (w, t) in pos]
-        for key, label, send in entries:
-            k = 1 if send is None else replay.delivered.get(send["msg_id"])
-            ran = (k is not None and k <= last_stage) if send is not None else last_stage > 0
-            fill = LAST if ran and k == last_stage else EARLIER if ran else NOT_YET
-            if send is not None:
-                send_pos[send["msg_id"]] = pos[(w, key)]
-            parts.append(_box(pos[(w, key)], label, fill, "#555", f"e:{w}:{key}",
-                              f"{label} on {w}", dash="2,2"))
-        for n in depth:
-            k = replay.ran.get((w, n))
-            node = nodes[n]
-            fill = LAST if k == last_stage else EARLIER if k else NOT_YET
-            recv = node.get("recv") is not None
-            stroke = "#7b1fa2" if recv else "#1b5e20" if "leaf" in node else "#666"
-            tip = f"{node['name']} on {w}" + (f", ran in stage {k}" if k else ", not run yet")
-            parts.append(_box(pos[(w, n)], _node_label(node, replay), fill, stroke,
-                              f"n:{w}:{n}", tip, dash="4,2" if recv else ""))
-    for link in _links(replay):
-        parts.append(_link(link, pos, send_pos, replay))
-    parts.append(_legend(height - 16))
-    return svg(max(x0, 780), height, "".join(parts), "distributed backward graph")  # the legend
+    lanes = [_Lane(replay, d) for d in replay.workers]
+    index = {ln.worker: i for i, ln in enumerate(lanes)}
+    links = [lk for lk in _links(replay) if lk["from"] in index and lk["to"] in index]
+    # each link rises in the gap beside its target lane, on the side it comes from
+    # (gap i is left of lane i; the last one is the right margin), on a track of its own
+    rise_gap = [index[lk["to"]] + (index[lk["from"]] >= index[lk["to"]]) for lk in links]
+    in_gap = Counter(rise_gap)
+    gaps = [GAP + CHANNEL * in_gap[g] for g in range(len(lanes) + 1)]
+    _fit(lanes, gaps)
+    top = TOP_BAND + CHANNEL * len(links)  # under the channel the arrows arrive by
+    pos: dict[tuple[str, Any], tuple[float, float]] = {}
+    gap_x, x = [], 0.0  # where each gap starts
+    for i, ln in enumerate(lanes):
+        gap_x.append(x)
+        ln.place(x + gaps[i], top, pos)
+        x += gaps[i] + ln.width
+    gap_x.append(x)
+    width = max(x + gaps[-1], LEGEND_W)
+    band = max((ln.bottom for ln in lanes), default=top + 60) + 6  # the channel under them
+    height = band + LABEL_H * len(links) + 40
+    parts: list[str] = []
+    for i, ln in enumerate(lanes):
+        parts += _lane(ln, i, ln.bottom, top, last, last_stage, pos, replay)
+    used: Counter[int] = Counter()
+    for k, (lk, g) in enumerate(zip(links, rise_gap)):
+        used[g] += 1  # tracks from the gap's right, the nearest a lane on the left last
+        xg = gap_x[g] + gaps[g] - GAP / 2 - CHANNEL * (used[g] - 0.5)
+        parts.append(_link(lk, pos, replay, xg, TOP_BAND - 4 + CHANNEL * k,
+                           band + LABEL_H * (k + 1)))
+    parts.append(_legend(height - 22))
+    return svg(width, height, "".join(parts), "distributed backward graph", themed=True)
+
+
+def _lane(ln: _Lane, i: int, bottom: float, top: float, last: dict[str, Any] | None,
+          last_stage: int, pos: dict, replay: _Replay) -> list[str]:
+    """One lane's markup: its box and title, its edges, then its boxes over them (one
+    group, which the worker filter hides)."""
+    w, d = ln.worker, ln.data
+    hot = last is not None and last["worker"] == w
+    paint = (f'fill="{LAST}" fill-opacity="0.12" stroke="{HOT_STROKE}" stroke-width="2.5"'
+             if hot else f'{STRIPE} {RULE} stroke-width="1"')
+    # the name in the text colour, after a swatch of the worker's hue (its bars' in
+    # plot_grad_norms)
+    parts = [f'<g data-f="worker" data-f-worker="{esc(w)}"><rect x="{ln.x:.0f}" y="{top:.0f}" '
+             f'width="{ln.width:.0f}" height="{bottom - top:.0f}" rx="6" {paint}/>'
+             f'<rect x="{ln.x + 8:.0f}" y="{top + 6:.0f}" width="9" height="9" rx="2" '
+             f'fill="{WORKER_COLOURS[i % len(WORKER_COLOURS)]}"/>'
+             f'<text x="{ln.x + 21:.0f}" y="{top + 15:.0f}" font-weight="bold">'
+             f"{esc(clip(w, max(6, int((ln.width - 13) // 7))))}</text>"]
+    if ln.more:
+        parts.append(f'<text x="{ln.x + 8:.0f}" y="{bottom - 6:.0f}" {MUTED}>… and '
+                     f"{ln.more} more nodes</text>")
+    nodes = {n["id"]: n for n in d["nodes"]}
+    for key, _, send in ln.entries:  # edges first, under the boxes
+        targets = d["roots"] if send is None else send["enters"]
+        parts += [_edge(pos[(w, key)], pos[(w, t)]) for t in targets if (w, t) in pos]
+    for n in ln.level:
+        parts += [_edge(pos[(w, n)], pos[(w, t)]) for t in nodes[n]["next"] if (w, t) in pos]
+    for key, lines, send in ln.entries:
+        k = 1 if send is None else replay.delivered.get(send["msg_id"])
+        ran = (k is not None and k <= last_stage) if send is not None else last_stage > 0
+        fill = LAST if ran and k == last_stage else EARLIER if ran else NOT_YET
+        what = " ".join(lines) if send is None else f"{lines[0]} ({lines[1]})"
+        parts.append(_box(pos[(w, key)], lines, fill, ENTRY_STROKE, f"e:{w}:{key}",
+                          f"{what} on {w}", dash="2,2"))
+    for n in ln.level:
+        k = replay.ran.get((w, n))
+        node = nodes[n]
+        fill = LAST if k == last_stage else EARLIER if k else NOT_YET
+        recv = node.get("recv") is not None
+        stroke = "#7b1fa2" if recv else "#2e7d32" if "leaf" in node else ENTRY_STROKE
+        leaf = f" ({_node_label(node, replay)})" if "leaf" in node else ""
+        tip = f"{node['name']}{leaf} on {w}, " + (f"ran in stage {k}" if k else "not run yet")
+        parts.append(_box(pos[(w, n)], _node_lines(node, replay), fill, stroke,
+                          f"n:{w}:{n}", tip, dash="4,2" if recv else ""))
+    parts.append("</g>")
+    return parts
 
 
 def _edge(a: tuple[float, float], b: tuple[float, float]) -> str:
-    return (f'<line x1="{a[0] + NODE_W / 2 - 4:.0f}" y1="{a[1] + NODE_H:.0f}" '
-            f'x2="{b[0] + NODE_W / 2 - 4:.0f}" y2="{b[1]:.0f}" stroke="#999"/>')
+    return (f'<line x1="{a[0] + NODE_W / 2:.0f}" y1="{a[1] + NODE_H:.0f}" '
+            f'x2="{b[0] + NODE_W / 2:.0f}" y2="{b[1]:.0f}" {RULE}/>')
 
 
-def _box(p: tuple[float, float], label: str, fill: str, stroke: str, key: str, tip: str,
+def _paint(fill: str) -> str:
+    """A box's fill: a state colour, or (not run yet) the theme's background."""
+    if fill == NOT_YET:
+        return BACKING
+    return f'fill="{fill}" fill-opacity="{FILL_OPACITY[fill]}"'
+
+
+def _box(p: tuple[float, float], lines: list[str], fill: str, stroke: str, key: str, tip: str,
          dash: str = "") -> str:
     dashes = f' stroke-dasharray="{dash}"' if dash else ""
-    return (f'<g data-key="{esc(key)}"><rect x="{p[0]:.0f}" y="{p[1]:.0f}" width="{NODE_W - 8}" '
-            f'height="{NODE_H}" rx="4" fill="{fill}" stroke="{stroke}"{dashes}/>'
-            f'<text x="{p[0] + 5:.0f}" y="{p[1] + 15:.0f}">{esc(clip(label, 20))}</text>'
-            f"<title>{esc(tip)}</title></g>")
+    y0 = p[1] + (18 if len(lines) == 1 else 12)
+    text = "".join(f'<text x="{p[0] + 5:.0f}" y="{y0 + 11 * i:.0f}">{esc(line)}</text>'
+                   for i, line in enumerate(lines))
+    return (f'<g data-key="{esc(key)}"><rect x="{p[0]:.0f}" y="{p[1]:.0f}" width="{NODE_W}" '
+            f'height="{NODE_H}" rx="4" {_paint(fill)} stroke="{stroke}"{dashes}/>'
+            f"{text}<title>{esc(tip)}</title></g>")
 
 
 def _links(replay: _Replay) -> list[dict[str, Any]]:
@@ -285,37 +422,63 @@ def _links(replay: _Replay) -> list[dict[str, Any]]:
     return sorted(out, key=lambda k: replay.label[k["msg_id"]])
 
 
-def _link(link: dict[str, Any], pos: dict, send_pos: dict, replay: _Replay) -> str:
-    a, b = pos.get((link["from"], link["leaf"])), send_pos.get(link["msg_id"])
+def _send_box(replay: _Replay, link: dict[str, Any]) -> tuple[str, str] | None:
+    """The (worker, entry key) of the send function a link's gradients go back to."""
+    label = replay.label[link["msg_id"]]
+    d = replay.by_name.get(link["to"])
+    if d is None or not any(s["msg_id"] == link["msg_id"] for s in d["sends"]):
+        return None
+    return link["to"], label
+
+
+def _link(link: dict[str, Any], pos: dict, replay: _Replay, xg: float, y_top: float,
+          y_bottom: float) -> str:
+    """A gradient's way back, drawn around the lanes: down out of the received leaf to
+    the channel under every lane, along it to the gap beside the sender's lane, up that
+    gap to the channel above the lanes, along it and down into the send box."""
+    target = _send_box(replay, link)
+    a, b = pos.get((link["from"], link["leaf"])), pos.get(target) if target else None
     if a is None or b is None:
         return ""
     label = replay.label[link["msg_id"]]
     flown = replay.flown.get(link["msg_id"])
     x1, y1 = a[0] + NODE_W / 2, a[1] + NODE_H
-    x2, y2 = b[0] + NODE_W - 8, b[1] + NODE_H / 2
-    colour = KIND_COLOURS["autograd"] if flown else "#bbb"
-    text = f"{label} ‖g‖ {fmt(flown[0])}" if flown else label
+    x2, y2 = b[0] + NODE_W * 0.75, b[1]
+    colour = KIND_COLOURS["autograd"] if flown else UNSENT
+    text = f"{label} ‖g‖ {fmt(flown[0])}" if flown else f"{label} (not sent yet)"
+    ink = f'class="{GRADIENT}"' if flown else MUTED  # the label: text, in a theme shade
     dash = "" if flown else ' stroke-dasharray="4,3"'
     tip = (f"gradients for {label}: {link['from']} → {link['to']}"
            + (f", norm {fmt(flown[0])}, sent in stage {flown[1]}" if flown else ", not sent yet"))
+    right = xg >= x1
+    anchor = "start" if right else "end"
+    tx, tw = (x1 + 4 if right else x1 - 4), 5.6 * len(text) + 2
+    path = (f"M{x1:.0f},{y1:.0f} V{y_bottom:.0f} H{xg:.0f} V{y_top:.0f} H{x2:.0f} "
+            f"V{y2 - 1:.0f}")
     return (f'<g data-key="m:{label}" data-f="worker" data-f-worker="{esc(link["from"])} '
-            f'{esc(link["to"])}"><path d="M{x1:.0f},{y1:.0f} C{x1:.0f},{y1 + 40:.0f} '
-            f'{x2 + 60:.0f},{y2:.0f} {x2:.0f},{y2:.0f}" fill="none" stroke="{colour}" '
-            f'stroke-width="{2 if flown else 1.2}"{dash}/>'
-            f'<circle cx="{x2:.0f}" cy="{y2:.0f}" r="3" fill="{colour}"/>'
-            f'<text x="{a[0] + 4:.0f}" y="{y1 + 11:.0f}" font-size="10" '
-            f'fill="{colour if flown else "#888"}">{esc(text)}</text><title>{esc(tip)}</title></g>')
+            f'{esc(link["to"])}" class="nbrpc-grad"><path d="{path}" fill="none" '
+            f'stroke="{colour}" stroke-width="{2 if flown else 1.2}"{dash}/>'
+            f'<path d="M{x2 - 4:.0f},{y2 - 7:.0f} L{x2 + 4:.0f},{y2 - 7:.0f} L{x2:.0f},'
+            f'{y2 - 1:.0f} Z" fill="{colour}" stroke="{colour}"/>'
+            f'<rect x="{tx if right else tx - tw:.0f}" y="{y_bottom - 12:.0f}" width="{tw:.0f}" '
+            f'height="11" {BACKING}/>'  # the label reads over lines
+            f'<text x="{tx:.0f}" y="{y_bottom - 3:.0f}" text-anchor="{anchor}" font-size="10" '
+            f'{ink}>{esc(text)}</text><title>{esc(tip)}</title></g>')
 
 
 def _legend(y: float) -> str:
-    items = [(LAST, "#555", "", "ran in the last stage"), (EARLIER, "#555", "", "ran earlier"),
-             (NOT_YET, "#555", "", "not run yet"), (NOT_YET, "#7b1fa2", "4,2", "received leaf")]
+    items = [(LAST, ENTRY_STROKE, "", "ran in the last stage"),
+             (EARLIER, ENTRY_STROKE, "", "ran earlier"),
+             (NOT_YET, ENTRY_STROKE, "", "not run yet"),
+             (NOT_YET, "#7b1fa2", "4,2", "received leaf")]
     out, x = [], PAD
     for fill, stroke, dash, text in items:
         dashes = f' stroke-dasharray="{dash}"' if dash else ""
-        out.append(f'<rect x="{x}" y="{y - 9}" width="14" height="10" fill="{fill}" '
+        out.append(f'<rect x="{x}" y="{y - 9}" width="14" height="10" {_paint(fill)} '
                    f'stroke="{stroke}"{dashes}/><text x="{x + 18}" y="{y}">{text}</text>')
-        x += 28 + 6.5 * len(text)
-    out.append(f'<text x="{x}" y="{y}" fill="{KIND_COLOURS["autograd"]}">⟶ gradients between '
-               "workers (‖g‖: their norm)</text>")
+        x += 28 + 6 * len(text)
+    out.append(f'<text x="{x}" y="{y}" class="{GRADIENT}">⟶ gradients (‖g‖: norm)</text>')
+    out.append(f'<text x="{PAD}" y="{y + 14}" {MUTED} font-size="10">'
+               "nodes are autograd functions, named without their “Backward” suffix "
+               "(hover for the full name)</text>")
     return "".join(out)

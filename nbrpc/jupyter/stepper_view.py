@@ -12,6 +12,7 @@ from collections import Counter
 from collections.abc import Mapping
 from typing import Any
 
+from ..debug import plural
 from .stepper_graph import MAX_ROWS, WORKER_COLOURS, _node_label, _Replay, fmt, graph_svg, total
 from .svg import esc
 from .view import View, button
@@ -63,6 +64,7 @@ class StepperState:
             return []
         import torch
 
+        here = next((d["worker"] for d in self.graph["workers"].values() if d["roots"]), "")
         out = []
         for i, (leaf, want) in enumerate(list(self.expected.items())[:MAX_ROWS * 5]):
             got = self.stepper.gradient_of(leaf)
@@ -71,7 +73,8 @@ class StepperState:
                     and bool(torch.allclose(got, want, rtol=1e-5, atol=1e-6)))
             out.append({"name": name, "shape": list(want.shape) if want is not None else None,
                         "norm": None if got is None else float(got.double().norm()),
-                        "equal": same})
+                        "equal": same,
+                        "worker": leaf.owner_name() if hasattr(leaf, "owner_name") else here})
         return out
 
     def last_html(self) -> str:
@@ -105,17 +108,28 @@ class StepperState:
             parts.append(f"<p>pending, in order:</p><ol>{items}</ol>"
                          + (f"<p>… and {more} more</p>" if more > 0 else ""))
         if self.done:
+            parts.append(self.gradients_html())
+        return "".join(parts)
+
+    def gradients_html(self) -> str:
+        """The final gradients: one table of the named leaves (where they live, the
+        norm, and whether it equals the expected gradient) when ``expected`` names
+        every leaf of the pass, else the leaves by worker, then the comparison."""
+        grads = self.gradients()
+        out = []
+        if not self.check or len(self.check) != len(grads):
             rows = "".join(f"<tr><td>{esc(w)}</td><td>{esc(leaf)}</td><td>{fmt(n)}</td></tr>"
-                           for w, leaf, _, n in self.gradients()[:MAX_ROWS])
-            parts.append("<p><b>Final gradients</b></p><table><tr><th>worker</th><th>leaf</th>"
-                         f"<th>‖g‖</th></tr>{rows}</table>")
+                           for w, leaf, _, n in grads[:MAX_ROWS])
+            out.append(f"<p><b>Final gradients</b></p>{_table(['worker', 'leaf', '‖g‖'], rows)}")
         if self.check:
-            rows = "".join(f"<tr><td>{esc(c['name'])}</td><td>{fmt(c['norm'])}</td>"
+            rows = "".join(f"<tr><td>{esc(c['name'])}</td><td>{esc(c.get('worker', ''))}</td>"
+                           f"<td>{fmt(c['norm'])}</td>"
                            f"<td>{'yes' if c['equal'] else '<b>no</b>'}</td></tr>"
                            for c in self.check[:MAX_ROWS])
-            parts.append(f"<table><tr><th>leaf</th><th>‖g‖</th><th>equal to "
-                         f"{esc(self.against)}'s</th></tr>{rows}</table>")
-        return "".join(parts)
+            title = ("<p><b>Final gradients</b></p>" if len(self.check) == len(grads) else "")
+            out.append(f"{title}<p>equal: to {esc(self.against)}'s gradient</p>"
+                       f"{_table(['leaf', 'on', '‖g‖', 'equal'], rows)}")
+        return "".join(out)
 
     def text(self) -> str:
         lines = [self.title()]
@@ -145,6 +159,14 @@ class StepperState:
                 f'<div class="nbrpc-panel">{self.panel_html()}</div></div>')
 
 
+def _table(head: list[str], rows: str) -> str:
+    """A table whose names never break mid-word: it scrolls sideways in its own box
+    when the panel is narrower."""
+    cells = "".join(f'<th style="text-align:left">{esc(h)}</th>' for h in head)
+    return ('<div style="overflow-x:auto;max-width:100%"><table class="nbrpc-grads" '
+            f'style="white-space:nowrap"><tr>{cells}</tr>{rows}</table></div>')
+
+
 def _leaf_name(leaf: Any, want: Any, i: int) -> str:
     shape = list(want.shape) if want is not None else "?"
     owner = leaf.owner_name() + " " if hasattr(leaf, "owner_name") else ""
@@ -164,6 +186,10 @@ class StepperView(View):
     their owners) to compare the final gradients with, e.g. those of a normal
     ``backward`` in another context; ``names``: ``{leaf: name}`` for that table;
     ``against``: what the expected gradients come from.
+
+    The widget always shows the latest stage; ``view.snapshot()`` is a picture of
+    it as it stands, which a notebook cell keeps while the pass goes on (shown
+    after each step, it keeps the story of the pass in a saved notebook).
     """
 
     def __init__(self, stepper: Any, expected: Mapping[Any, Any] | None = None,
@@ -266,7 +292,7 @@ class StepperView(View):
         leaf = (f"<br>leaf {esc(_node_label(node, self.state.replay))}" if "leaf" in node else "")
         return (f"<p><b>{esc(node['name'])}</b> on {esc(worker)}{leaf}<br>"
                 f"{f'ran in stage {k}' if k else 'not run yet'}; feeds "
-                f"{len(node['next'])} node(s)</p><hr>")
+                f"{plural(len(node['next']), 'node')}</p><hr>")
 
 
 # -- plots --------------------------------------------------------------------------------

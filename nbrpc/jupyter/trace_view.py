@@ -25,12 +25,17 @@ from __future__ import annotations
 from typing import Any
 
 from ..debug.trace import Trace, family
-from .svg import KIND_COLOURS, clip, colour, esc, fmt_bytes, svg
+from .svg import BACKING, ERROR, KIND_COLOURS, MUTED, RULE, clip, colour, esc, fmt_bytes, svg
 from .view import View, toggle, varies
 
 MAX_DRAWN = 1500  # arrows drawn; the rest are summarised (the trace keeps them all)
-ROW = 16  # px between consecutive instants (order mode)
+ROW = 18  # px between consecutive instants (order mode)
 TOP, LEFT = 40, 70
+# Arrow labels: 11 px text on a backing of the page's colour (it hides the lines
+# under it), placed where no other label is; CHAR_W overestimates a sans-serif
+# character so that a label never runs past the box it was given.
+FONT, CHAR_W, LABEL_H = 11, 6.6, 14
+SPOTS = (0.5, 0.35, 0.65, 0.2, 0.8)  # where along its arrow a label may go, in that order
 
 
 def _lane_x(workers: list[str]) -> tuple[dict[str, float], float]:
@@ -57,6 +62,53 @@ def _rows(times: list[float], to_scale: bool, duration: float) -> dict[float, fl
     return {t: TOP + 20 + t / span * height for t in ordered}
 
 
+class Labels:
+    """Places the arrows' labels so that no two overlap.
+
+    Each label is tried at a few points along its arrow (:data:`SPOTS`), just
+    above it, as wide as its text and never wider than the gap between the
+    arrow's two lifelines (a longer text is cut with "…"); where every spot is
+    taken the arrow goes without a label (its ``<title>`` still has the full
+    text, shown on hover).
+
+    >>> labels = Labels()
+    >>> labels.place("call f", 0, 100, 200, 100)
+    (100.0, 95.0, 'call f')
+    >>> labels.place("call g", 0, 100, 200, 100)  # the middle is taken: further along
+    (40.0, 95.0, 'call g')
+    """
+
+    def __init__(self) -> None:
+        self.boxes: list[tuple[float, float, float, float]] = []
+
+    def place(self, text: str, x0: float, y0: float, x1: float, y1: float,
+              room: float | None = None) -> tuple[float, float, str] | None:
+        """(centre x, baseline y, text as drawn) of the label of the arrow from
+        (x0, y0) to (x1, y1), or None where there is no room; ``room``: the width
+        it may take (the gap between the arrow's ends when not given)."""
+        room = abs(x1 - x0) - 12 if room is None else room
+        chars = int(room / CHAR_W)
+        if chars < 4:
+            return None
+        text = clip(text, chars)
+        w = len(text) * CHAR_W + 4
+        for f in SPOTS:
+            cx, cy = x0 + f * (x1 - x0), y0 + f * (y1 - y0)
+            # keep the whole label between the arrow's ends
+            lo, hi = min(x0, x1) + w / 2 + 2, max(x0, x1) - w / 2 - 2
+            cx = min(max(cx, lo), hi) if lo <= hi else (x0 + x1) / 2
+            # just above the arrow where the label spans it (a slanted arrow is
+            # higher at one end), so that its backing hides no part of the arrow
+            slope = (y1 - y0) / (x1 - x0) if x1 != x0 else 0.0
+            top = min(cy + slope * (x - cx) for x in (cx - w / 2, cx + w / 2))
+            box = (cx - w / 2, top - 2 - LABEL_H, cx + w / 2, top - 2)
+            if not any(box[0] < b[2] and b[0] < box[2] and box[1] < b[3] and b[1] < box[3]
+                       for b in self.boxes):
+                self.boxes.append(box)
+                return cx, box[3] - 3, text
+        return None
+
+
 def trace_svg(trace: Trace, to_scale: bool = False, limit: int = MAX_DRAWN) -> str:
     """The sequence diagram of ``trace`` as an SVG element."""
     workers = _workers(trace)
@@ -78,31 +130,34 @@ def trace_svg(trace: Trace, to_scale: bool = False, limit: int = MAX_DRAWN) -> s
     for w in workers:
         parts.append(f'<g data-f="worker" data-f-worker="{esc(w)}">'
                      f'<text x="{xs[w]:.1f}" y="{TOP - 14}" text-anchor="middle" '
-                     f'font-weight="bold">{esc(clip(w, 18))}</text>'
-                     f'<line x1="{xs[w]:.1f}" y1="{TOP - 6}" x2="{xs[w]:.1f}" y2="{bottom - 20}" '
-                     'stroke="#999" stroke-dasharray="2,3"/></g>')
+                     f'font-weight="bold">{esc(clip(w, int(col / 7.4)))}<title>{esc(w)}</title>'
+                     f'</text><line x1="{xs[w]:.1f}" y1="{TOP - 6}" x2="{xs[w]:.1f}" '
+                     f'y2="{bottom - 20}" {RULE} stroke-dasharray="2,3"/></g>')
     last_label = -1e9
     for t in sorted(y):  # a time axis on the left, labels at least 40 px apart
         if y[t] - last_label >= 40:
             parts.append(f'<text x="{LEFT - 8}" y="{y[t] + 4:.1f}" text-anchor="end" '
-                         f'fill="#888">{_ms(t)}</text>')
+                         f'{MUTED}>{_ms(t)}</text>')
             last_label = y[t]
-    for i, m in enumerate(drawn):
-        parts.append(_arrow(i, m, xs, y))
-    for e in events:
+    for e in events:  # under the arrows and their labels
         x, ey = xs.get(e["worker"], LEFT), y[e["time"]]
         parts.append(
             f'<g data-f="worker" data-f-worker="{esc(e["worker"])}"><rect x="{x - 4:.1f}" '
             f'y="{ey - 4:.1f}" width="8" height="8" transform="rotate(45 {x:.1f} {ey:.1f})" '
-            f'fill="#555"><title>{esc(e["event"])} {esc(e["op"])} {esc(e["detail"])} '
-            f'({esc(e["peer"])}) at {_ms(e["time"])}</title></rect></g>')
+            f'fill="currentColor" fill-opacity="0.7"><title>{esc(e["event"])} {esc(e["op"])} '
+            f'{esc(e["detail"])} ({esc(e["peer"])}) at {_ms(e["time"])}</title></rect></g>')
+    labels = Labels()
+    for i, m in enumerate(drawn):
+        parts.append(_arrow(i, m, xs, y, col, labels))
     if more:
-        parts.append(f'<text x="{LEFT}" y="{bottom - 8:.1f}" fill="#c62828">… and {more} more '
+        parts.append(f'<text x="{LEFT}" y="{bottom - 8:.1f}" {ERROR}>… and {more} more '
                      "messages (t.messages and t.to_chrome_trace() have them all)</text>")
-    return svg(width, bottom, "".join(parts), f"message trace of {', '.join(workers)}")
+    return svg(width, bottom, "".join(parts), f"message trace of {', '.join(workers)}",
+               themed=True)
 
 
-def _arrow(i: int, m: dict[str, Any], xs: dict[str, float], y: dict[float, float]) -> str:
+def _arrow(i: int, m: dict[str, Any], xs: dict[str, float], y: dict[float, float],
+           col: float, labels: Labels) -> str:
     kind = m["kind"]
     fam = family(m["op"])
     stroke = colour(fam)
@@ -115,15 +170,24 @@ def _arrow(i: int, m: dict[str, Any], xs: dict[str, float], y: dict[float, float
     if y1 is None:  # not arrived within the trace
         y1, x1 = y0 + 8, x0 + (0.5 * (x1 - x0) if x1 != x0 else 20)
     marker = f"nbrpc-arrow-{fam if fam in KIND_COLOURS else 'other'}"
-    if x0 == x1:  # a member calling itself: a small loop
+    text = ("↩ " if kind == "reply" else "") + f"{m['op']} {m['what']}".strip()
+    if x0 == x1:  # a member calling itself: a small loop, its label on its right
         shape = (f'<path d="M{x0:.1f},{y0:.1f} C{x0 + 40:.1f},{y0:.1f} {x0 + 40:.1f},{y1:.1f} '
                  f'{x0 + 1:.1f},{y1:.1f}" fill="none"')
-        lx, ly = x0 + 42, (y0 + y1) / 2 + 3
+        spot = labels.place(text, x0 + 34, (y0 + y1) / 2 + 9, x0 + col - 4,
+                            (y0 + y1) / 2 + 9, room=col - 40)
     else:
         shape = f'<line x1="{x0:.1f}" y1="{y0:.1f}" x2="{x1:.1f}" y2="{y1:.1f}"'
-        lx, ly = (x0 + x1) / 2, (y0 + y1) / 2 - 3
+        spot = labels.place(text, x0, y0, x1, y1)
+    label = ""
+    if spot is not None:
+        lx, ly, shown = spot
+        w = len(shown) * CHAR_W + 4
+        label = (f'<rect class="nbrpc-label" x="{lx - w / 2:.1f}" y="{ly - LABEL_H + 3:.1f}" '
+                 f'width="{w:.1f}" height="{LABEL_H}" rx="2" {BACKING}/>'
+                 f'<text x="{lx:.1f}" y="{ly:.1f}" '
+                 f'text-anchor="middle" font-size="{FONT}">{esc(shown)}</text>')
     error = m.get("error")
-    label = ("↩ " if kind == "reply" else "") + clip(f"{m['op']} {m['what']}".strip(), 22)
     tip = (f"{'reply to ' if kind == 'reply' else ''}{m['op']} {m['what']}".strip()
            + f": {m['src']} → {m['dst']}, msg {m['msg_id']}, {fmt_bytes(m['nbytes'])}")
     if m.get("latency") is not None:
@@ -135,8 +199,7 @@ def _arrow(i: int, m: dict[str, Any], xs: dict[str, float], y: dict[float, float
             f'{shape} stroke="{colour("error") if error else stroke}" stroke-width="1.6"{dash} '
             f'marker-end="url(#{marker})"/><line x1="{x0:.1f}" y1="{y0:.1f}" x2="{x1:.1f}" '
             f'y2="{y1:.1f}" stroke="transparent" stroke-width="8"/>'
-            f'<text x="{lx:.1f}" y="{ly:.1f}" text-anchor="middle" font-size="9" '
-            f'fill="{stroke}">{esc(label)}</text><title>{esc(tip)}</title></g>')
+            f'{label}<title>{esc(tip)}</title></g>')
 
 
 def _ms(t: float) -> str:

@@ -16,7 +16,7 @@ from typing import Any
 
 from ..agent import Agent, AgentOptions, RpcFuture, WorkerInfo, current_agent, set_default_agent
 from ..agent.agent import _Default, call_args
-from ..errors import AlreadyInitializedError, RendezvousError
+from ..errors import AlreadyInitializedError, NbrpcError, RendezvousError
 from ..rref import RRef
 from ..rref import remote as _remote
 from . import rendezvous
@@ -181,7 +181,14 @@ def rpc_async(to: Any, func: Callable, args: tuple | None = None,
     33
     >>> shutdown()
     """
-    return current_agent("rpc_async").rpc_async(to, func, args, kwargs, timeout)
+    __tracebackhide__ = True  # (IPython leaves nbrpc's frames out of tracebacks)
+    try:
+        return current_agent("rpc_async").rpc_async(to, func, args, kwargs, timeout)
+    except Exception as e:
+        if _about_the_call(e):
+            e.__traceback__ = None  # (raised again without nbrpc's frames)
+            raise
+        raise
 
 
 def rpc_sync(to: Any, func: Callable, args: tuple | None = None,
@@ -199,7 +206,14 @@ def rpc_sync(to: Any, func: Callable, args: tuple | None = None,
     ValueError from a
     >>> shutdown()
     """
-    return current_agent("rpc_sync").rpc_sync(to, func, args, kwargs, timeout)
+    __tracebackhide__ = True
+    try:
+        return current_agent("rpc_sync").rpc_sync(to, func, args, kwargs, timeout)
+    except Exception as e:
+        if _about_the_call(e):
+            e.__traceback__ = None  # (raised again without nbrpc's frames)
+            raise
+        raise
 
 
 def remote(to: Any, func: Callable, args: tuple | None = None,
@@ -212,11 +226,27 @@ def remote(to: Any, func: Callable, args: tuple | None = None,
     (1, 'a')
     >>> shutdown()
     """
+    __tracebackhide__ = True
     if not callable(func):
         raise TypeError(f"func must be callable, got {type(func).__name__}")
-    agent = current_agent("remote")
-    args, kwargs = call_args(args, kwargs)
-    return _remote(agent, to, func, args, kwargs, timeout)
+    try:
+        agent = current_agent("remote")
+        args, kwargs = call_args(args, kwargs)
+        return _remote(agent, to, func, args, kwargs, timeout)
+    except Exception as e:
+        if _about_the_call(e):
+            e.__traceback__ = None  # (raised again without nbrpc's frames)
+            raise
+        raise
+
+
+def _about_the_call(e: Exception) -> bool:
+    """Whether ``e`` is about the user's call rather than nbrpc's own code: an
+    nbrpc error (the destination, a value that does not pickle, a timeout) or
+    an error raised on the callee and raised again here. Raised again from the
+    public function without nbrpc's frames, its traceback ends at the user's
+    line; any other error (a bug in nbrpc) keeps every frame."""
+    return isinstance(e, NbrpcError) or getattr(e, "remote_worker", None) is not None
 
 
 def get_worker_info(worker_name: str | None = None) -> WorkerInfo:

@@ -43,8 +43,9 @@ from ..agent import (
     wait_result,
 )
 from ..agent.agent import Wire, check_timeout
+from ..agent.wire import named_by
 from ..errors import NbrpcError, WorkerGoneError
-from ..serialize import current_context, register_reducer
+from ..serialize import cell_label, current_context, register_reducer
 from .context import CancelFetch, Fetch, Remote, RRefContext, _settle
 from .state import CONFIRMED, PENDING, ForkId, RRefId
 
@@ -70,21 +71,21 @@ register_extension(_install)
 
 
 def _creation_site() -> str:
-    """Where user code made an RRef: ``file:line``, or ``cell In[12], line 3``
-    in IPython (read from the user namespace; nothing is imported)."""
+    """Where user code made an RRef: ``file:line``, or ``cell In[12], line 3`` for
+    code from a notebook cell: this kernel's (IPython's compiler names each cell's
+    file) or a driver's, for a function it sent by value (its label travels with it).
+
+    IPython's ``execution_count`` is no substitute: it is advanced before a cell
+    runs, and code defined in an earlier cell runs under a later count."""
     f = sys._getframe(1)
     while f is not None and f.f_globals.get("__name__", "").partition(".")[0] == "nbrpc":
         f = f.f_back
     if f is None:
         return "?"
-    get_ipython = f.f_globals.get("get_ipython")
-    name = f.f_code.co_filename
-    if get_ipython is not None and ("ipykernel_" in name or name.startswith("<ipython-input")):
-        try:
-            return f"cell In[{get_ipython().execution_count}], line {f.f_lineno}"
-        except Exception:  # not a live IPython after all
-            pass
-    return f"{name}:{f.f_lineno}"
+    label = cell_label(f.f_code.co_filename)  # "Cell In[12]", or None for a file
+    if label:
+        return f"cell {label.partition(' ')[2]}, line {f.f_lineno}"
+    return f"{f.f_code.co_filename}:{f.f_lineno}"
 
 
 # -- the RRef object ---------------------------------------------------------------
@@ -385,6 +386,8 @@ def _on_value(rref_id: RRefId, may_overtake: bool, timeout: float,
     return out
 
 
+# Traces name a method call on an RRef by the method, not by these helpers.
+@named_by(lambda args: f"look up {args[1]} on RRef {args[0]}")
 def _attribute_on_owner(rref_id: RRefId, name: str, may_overtake: bool = False,
                         timeout: float = 0.0) -> Any:
     """Runs on the owner: None once the value exists and has ``name``, else
@@ -399,6 +402,7 @@ def _attribute_on_owner(rref_id: RRefId, name: str, may_overtake: bool = False,
 mark_async(_attribute_on_owner)
 
 
+@named_by(lambda args: f"{args[1]} on RRef {args[0]}")
 def _call_method_on_owner(rref_id: RRefId, name: str, args: tuple, kwargs: dict,
                           may_overtake: bool = False, timeout: float = 0.0) -> Any:
     """Runs on the owner. Answers through a future: the value may not exist

@@ -1,6 +1,7 @@
 """Serialization: cloudpickle with out-of-band tensor buffers. Knows nothing of sockets."""
 
 from .code import CodeCache, entry_for
+from .explain import a_type, find_unpicklable
 from .pickler import (
     current_context,
     dumps,
@@ -9,6 +10,8 @@ from .pickler import (
     register_grad_hooks,
     register_reducer,
 )
+from .source import cell_label, format_exception
 
-__all__ = ["CodeCache", "current_context", "entry_for", "dumps", "loads", "parallel_copy", "register_grad_hooks",
-           "register_reducer"]
+__all__ = ["CodeCache", "a_type", "cell_label", "current_context", "entry_for", "dumps",
+           "find_unpicklable", "format_exception", "loads", "parallel_copy",
+           "register_grad_hooks", "register_reducer"]

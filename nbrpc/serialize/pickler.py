@@ -3,7 +3,8 @@
 Pure functions and a small registry; no sockets, no agent.
 
 * Functions and classes defined in ``__main__`` (a notebook cell, a script)
-  are pickled by value, importable ones by reference (cloudpickle's rule).
+  are pickled by value, importable ones by reference (cloudpickle's rule);
+  their code carries its source lines, for tracebacks (:mod:`.source`).
 * A CPU tensor becomes a pickle-protocol-5 out-of-band buffer holding exactly
   its own elements: a contiguous tensor (or a contiguous slice of a larger
   storage) is exported without a copy; a strided view is made contiguous
@@ -17,10 +18,12 @@ Pure functions and a small registry; no sockets, no agent.
 from __future__ import annotations
 
 import contextvars
+import copyreg
 import io
 import marshal
 import pickle
 import types
+from collections import ChainMap
 from collections.abc import Callable
 from typing import Any
 
@@ -30,6 +33,7 @@ import torch
 
 from ..errors import SerializationError
 from .code import entry_for
+from .source import reduce_code
 
 PROTOCOL = 5
 
@@ -203,6 +207,11 @@ def _code_ref(i: int) -> Any:
 
 class _Pickler(cloudpickle.Pickler):
     table: _Table | None = None
+    # cloudpickle's reducers, but code by value keeps its file name and carries
+    # its source lines (see .source); one dict, as cloudpickle's, since the C
+    # pickler looks up the type of most objects it saves in this table
+    dispatch_table = ChainMap({**cloudpickle.Pickler._dispatch_table, types.CodeType: reduce_code},
+                              copyreg.dispatch_table)
 
     def reducer_override(self, obj: Any) -> Any:
         reducer = _REDUCERS.get(type(obj))

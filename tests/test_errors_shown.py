@@ -1,0 +1,180 @@
+"""What a user sees when a call fails: the mistake named (which argument, of
+what type), tracebacks that end at the user's own line, and remote frames of
+notebook cells shown as IPython shows local ones (``Cell In[7], line 2``)."""
+
+from __future__ import annotations
+
+import linecache
+import re
+import threading
+import traceback
+
+import pytest
+import torch
+from test_magics import shell  # noqa: F401 - the in-process IPython shell fixture
+
+from nbrpc import rpc
+from nbrpc.errors import SerializationError
+from nbrpc.rref import RRef
+from nbrpc.serialize import dumps, format_exception, loads, source
+
+LOCK_TEXT = "(a _thread.lock): cannot pickle '_thread.lock' object. Pass only picklable values"
+
+
+def reciprocal(x):
+    return 1 / x
+
+
+def returns_a_lock_inside():
+    return {"ok": 1, "k": [threading.Lock()]}
+
+
+def _main_function(code: str, **names):
+    """The function ``code`` defines, as if in a notebook cell (pickled by value)."""
+    ns = {"__name__": "__main__", **names}
+    exec(code, ns)
+    return ns["f"]
+
+
+def frames(e: BaseException) -> list[str]:
+    """The functions of ``e``'s traceback, outermost first."""
+    return [f.name for f in traceback.extract_tb(e.__traceback__)]
+
+
+def test_an_unpicklable_argument_is_named_with_its_type(trio_default) -> None:
+    lock = threading.Lock()
+    with pytest.raises(SerializationError) as info:
+        rpc.rpc_sync("b", len, args=(lock,))
+    e = info.value
+    assert str(e).startswith(f"rpc_sync('b', len): could not pickle argument 0 {LOCK_TEXT}")
+    assert (e.path, e.worker) == ("args[0]", "b")
+    assert e.__cause__ is None and e.__suppress_context__  # the pickler's frames add nothing
+    assert frames(e) == ["test_an_unpicklable_argument_is_named_with_its_type"]
+    assert "Call(" not in str(e) and "0x" not in str(e)
+
+    # by keyword, and inside containers, past values that pickle (tensors, RRefs)
+    owned = RRef([1])
+    with pytest.raises(SerializationError) as info:
+        rpc.rpc_async("b", reciprocal, args=(torch.ones(2), owned),
+                      kwargs={"opts": {"n": 1, "sync": [2, lock]}})
+    assert str(info.value).startswith(
+        "rpc_async('b', reciprocal): could not pickle kwargs['opts']['sync'][1] in keyword "
+        f"argument 'opts' {LOCK_TEXT}")
+    assert info.value.path == "kwargs['opts']['sync'][1]"
+    with pytest.raises(SerializationError, match=re.escape(
+            "remote('c', dict): could not pickle keyword argument 'x' (a _thread.lock)")):
+        rpc.remote("c", dict, kwargs={"x": lock})
+    with pytest.raises(SerializationError, match=re.escape(
+            "rpc_sync('b', <lambda>): could not pickle the variable 'lock' that the function "
+            "reads (a _thread.lock)")):
+        rpc.rpc_sync("b", lambda: lock.locked())  # a closure over a lock
+    with pytest.raises(SerializationError, match=re.escape(
+            "could not pickle the global 'LOCK' that args[0]['callback'] reads (a _thread.lock)")):
+        rpc.rpc_sync("b", len, args=({"callback": _main_function("def f():\n    LOCK.locked()\n",
+                                                                  LOCK=lock)},))
+    # nothing of those calls was left behind: the group goes on
+    assert rpc.rpc_sync("b", len, args=([1, 2],)) == 2
+    del owned
+
+
+def test_an_unpicklable_result_names_the_part_that_is_not(trio_default) -> None:
+    with pytest.raises(SerializationError) as info:
+        rpc.rpc_sync("b", returns_a_lock_inside)
+    e = info.value
+    assert str(e).startswith(
+        "the result of returns_a_lock_inside() on 'b' (a dict) could not be pickled to send "
+        "back: result['k'][0] is a _thread.lock: cannot pickle '_thread.lock' object.")
+    assert (e.path, e.worker, e.remote_worker) == ("result['k'][0]", "b", "b")
+    assert e.__cause__ is None  # the callee made it, nothing raised it: no traceback to show
+    assert frames(e) == ["test_an_unpicklable_result_names_the_part_that_is_not"]
+
+
+def test_a_remote_error_shows_the_users_frames_only(trio_default) -> None:
+    with pytest.raises(ZeroDivisionError) as info:
+        rpc.rpc_sync("b", reciprocal, args=(0,))
+    e = info.value
+    assert frames(e) == ["test_a_remote_error_shows_the_users_frames_only"]
+    remote = e.remote_traceback
+    assert "nbrpc" not in remote  # the callee's own frames are left out
+    line = reciprocal.__code__.co_firstlineno + 1
+    assert f'test_errors_shown.py", line {line}, in reciprocal\n    return 1 / x' in remote
+    fut = rpc.rpc_async("c", reciprocal, args=(0,))
+    with pytest.raises(ZeroDivisionError) as info:
+        fut.wait()
+    assert frames(info.value) == ["test_a_remote_error_shows_the_users_frames_only"]
+
+
+def test_format_exception_leaves_out_hidden_frames_but_the_last() -> None:
+    def inner():
+        __tracebackhide__ = True
+        raise ValueError("bad")
+
+    def middle():
+        __tracebackhide__ = True
+        inner()
+
+    try:
+        middle()
+    except ValueError as e:
+        text = format_exception(e)
+    assert "in test_format_exception" in text and "in inner" in text  # (the last frame)
+    assert "in middle" not in text and text.endswith("ValueError: bad\n")
+
+
+def _cell_function(ip, code: str):
+    ip.run_cell(code, store_history=True)
+    return ip.user_ns["scale"], ip.execution_count - 1
+
+
+def test_a_cell_function_rebuilt_elsewhere_shows_its_cell_and_line(shell) -> None:  # noqa: F811
+    fn, count = _cell_function(shell, "k = 2\n\ndef scale(x):\n    y = k * x\n    return y / 0\n")
+    filename = fn.__code__.co_filename
+    payload, _ = dumps(fn)
+    # another process: neither the cell's source nor IPython's record of it
+    del linecache.cache[filename]
+    shell.compile._filename_map.pop(filename)
+    try:
+        rebuilt = loads(payload, [])
+        with pytest.raises(ZeroDivisionError) as info:
+            rebuilt(3)
+        text = format_exception(info.value)
+    finally:
+        linecache.cache.pop(filename, None)
+        source._labels.pop(filename, None)
+        source._shipped.discard(filename)
+    assert rebuilt.__code__.co_filename == filename  # (cloudpickle's is "<dynamic-code>")
+    assert f"  Cell In[{count}], line 5, in scale\n    return y / 0\n" in text, text
+
+
+def test_ipython_shows_a_remote_cell_error_at_the_users_line(shell, trio_default, capsys  # noqa: F811
+                                                             ) -> None:
+    shell.run_line_magic("colors", "nocolor")
+    shell.run_cell("from nbrpc import rpc\nimport threading\n\n"
+                   "def halve(x):\n    return x / 0\n", store_history=True)
+    defined = shell.execution_count - 1
+    capsys.readouterr()
+    shell.run_cell("rpc.rpc_sync('b', halve, args=(1,))", store_history=True)
+    shown = capsys.readouterr().out
+    remote, local = shown.split("The above exception was the direct cause")
+    assert f"  Cell In[{defined}], line 5, in halve\n    return x / 0\n" in remote, remote
+    assert "nbrpc" not in remote.replace("nbrpc import", "")
+    assert f"Cell In[{defined + 1}], line 1\n----> 1 rpc.rpc_sync('b', halve" in local, local
+    assert ".py" not in local  # no frame of nbrpc's files: the cell is the last one
+
+    shell.run_cell("rpc.rpc_sync('b', len, args=(threading.Lock(),))", store_history=True)
+    shown = capsys.readouterr().out
+    assert "----> 1 rpc.rpc_sync('b', len, args=(threading.Lock(),))" in shown
+    assert ".py" not in shown and "above exception" not in shown
+    assert "SerializationError: rpc_sync('b', len): could not pickle argument 0" in shown
+
+
+def test_identical_functions_from_two_cells_keep_their_own_cell() -> None:
+    names = ["/tmp/ipykernel_0/cell_a.py", "/tmp/ipykernel_0/cell_b.py"]
+    fns = []
+    for name in names:
+        ns = {"__name__": "__main__"}
+        exec(compile("def f(x):\n    return x\n", name, "exec"), ns)
+        fns.append(ns["f"])
+    assert fns[0].__code__ == fns[1].__code__  # (code objects compare without their file)
+    rebuilt = [loads(dumps(f)[0], []) for f in fns]
+    assert [f.__code__.co_filename for f in rebuilt] == names
