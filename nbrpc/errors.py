@@ -16,6 +16,7 @@ subclasses ``RuntimeError`` too, so code written against
     ├── SerializationError         an argument or result could not be pickled
     │   └── CodeCacheMiss          a request named code by hash the callee no longer has
     ├── RendezvousError            init_rpc could not form the group
+    │   └── DeviceMapError         the group's device maps do not fit (also a ValueError)
     ├── ShutdownError              the agent is shutting down
     ├── RemoteError                a remote failure whose type did not unpickle
     ├── BackwardStageError         a distributed backward stage raised on a worker
@@ -137,6 +138,30 @@ class CodeCacheMiss(SerializationError):
 
 class RendezvousError(NbrpcError):
     """init_rpc could not form the group (bad init_method, duplicate name, ...)."""
+
+
+class DeviceMapError(RendezvousError, ValueError):
+    """A member's device maps or devices do not fit the group (``node`` names it).
+
+    The message is PyTorch's, word for word (``torch.distributed.rpc`` raises a
+    ``ValueError`` from ``init_rpc``), then what to change.
+
+    >>> import pickle
+    >>> e = pickle.loads(pickle.dumps(DeviceMapError("Node w0 has duplicated devices", "w0")))
+    >>> isinstance(e, ValueError), e.node, str(e).splitlines()[0]
+    (True, 'w0', 'Node w0 has duplicated devices')
+    """
+
+    def __init__(self, message: str, node: str) -> None:
+        self.node = node
+        super().__init__(
+            f"{message}\nCheck the device_maps and devices in {node}'s "
+            "TensorPipeRpcBackendOptions (set_device_map, set_devices): every device must "
+            "exist on its worker (CUDA indices below that worker's device count, or "
+            "'cpu'), and each map must be one-to-one.")
+
+    def __reduce__(self) -> tuple:
+        return type(self), (str(self).split("\nCheck the device_maps")[0], self.node)
 
 
 class ShutdownError(NbrpcError):

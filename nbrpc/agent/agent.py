@@ -44,10 +44,10 @@ from collections.abc import Callable
 from concurrent.futures import Future as Verdict
 from typing import Any
 
-from ..errors import RendezvousError, WorkerGoneError
+from ..errors import DeviceMapError, RendezvousError, WorkerGoneError
 from ..serialize import CodeCache, parallel_copy
 from ..transport import Envelope, IOLoop, shm
-from . import gcfreeze
+from . import devices, gcfreeze
 from .callee import Callee
 from .caller import Caller
 from .current import _Default, _local, current_agent, set_default_agent  # noqa: F401
@@ -121,7 +121,8 @@ class Agent(Caller, Callee, Control, Shutdown):
         if self.io.channels is not None:  # (threads that serve a caller's own channel)
             self.io.channels.on_thread_start = self._adopt_thread
             self.io.channels.limit = opts.num_worker_threads
-        self._member = Member(name, rank, self.address, self.io.local_address)
+        self._member = Member(name, rank, self.address, self.io.local_address, opts.devices)
+        self.device_plan = devices.DevicePlan()  # set once the members are known
         self.pool = WorkerPool(opts.num_worker_threads, f"nbrpc-worker[{name}]",
                                self._adopt_thread, self.io.call_later)
         self.events = EventLog(opts.event_log_size)
@@ -202,9 +203,23 @@ class Agent(Caller, Callee, Control, Shutdown):
         if self._join_error:
             self._stop_local()
             raise RendezvousError(self._join_error)
+        self._check_devices()
         if self.state == "ready":
             log.info("nbrpc agent %r (rank %d) ready at %s", self.name, self.rank, self.address)
         return True
+
+    def _check_devices(self) -> None:
+        """Check every member's device maps against every member's devices, as
+        PyTorch's ``init_rpc`` does (a static group's ranks all see the same table,
+        so all fail alike), and keep this agent's share; a misfit stops the agent
+        and raises :class:`~nbrpc.errors.DeviceMapError`."""
+        configs = {m.name: m.devices or devices.DeviceConfig() for m in self.members.members()}
+        try:
+            devices.check(configs, static=self.world_size is not None)
+        except DeviceMapError:
+            self._stop_local()
+            raise
+        self.device_plan = devices.plan(self.name, configs)
 
     def fail_join(self, timeout: float) -> None:
         """Stop, and raise the error for a join that did not complete in time."""
@@ -346,6 +361,9 @@ class Agent(Caller, Callee, Control, Shutdown):
             "world_size": self.world_size,
             "members": [{"name": m.name, "rank": m.rank, "address": m.address}
                         for m in self.members.members()],
+            "devices": {"cuda_count": getattr(self.options.devices, "count", 0),
+                        "served": list(self.device_plan.devices),
+                        "reverse_maps": {n: dict(m) for n, m in self.device_plan.reverse_maps}},
             "counters": {
                 "requests_sent": self.sent,
                 "requests_served": self.served,

@@ -84,6 +84,7 @@ class Member:
     rank: int
     address: str
     local: str | None = None  # its Unix domain socket, for peers on its host
+    devices: Any = None  # its devices.DeviceConfig (CUDA count, device maps), or None: none
 
 
 @fast_pickle

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..transport.frames import DEFAULT_MAX_MESSAGE
+from .devices import DeviceConfig
 
 
 @dataclass
@@ -27,6 +28,7 @@ class AgentOptions:
     local_ipc: bool = True  # peers on the same host connect over a Unix domain socket
     control_retry: float = 1.0  # first retry of an unanswered protocol message (doubles)
     gc_freeze: bool = True  # keep full GC collections short while running (see gcfreeze)
+    devices: DeviceConfig | None = None  # CUDA devices and device maps (checked at join)
 
 
 def _check_options(opts: AgentOptions) -> None:

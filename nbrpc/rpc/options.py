@@ -6,6 +6,10 @@ import enum
 import os
 from typing import Any
 
+import torch
+
+from ..agent.devices import DeviceConfig
+
 DEFAULT_RPC_TIMEOUT_SEC = 60.0
 DEFAULT_INIT_METHOD = "env://"
 DEFAULT_NUM_WORKER_THREADS = 16
@@ -14,6 +18,8 @@ DEFAULT_FAILURE_TIMEOUT = 30.0
 FAILURE_TIMEOUT_ENV = "NBRPC_FAILURE_TIMEOUT"
 ENCRYPT_ENV = "NBRPC_ENCRYPT"
 LOCAL_IPC_ENV = "NBRPC_LOCAL_IPC"
+
+DeviceType = int | str | torch.device
 
 
 class BackendType(enum.Enum):
@@ -35,7 +41,11 @@ class TensorPipeRpcBackendOptions(RpcBackendOptions):
 
     ``num_worker_threads``, ``rpc_timeout`` and ``init_method`` are honoured;
     ``_transports`` and ``_channels`` are accepted and ignored (nbrpc has one
-    transport); device maps are refused because nbrpc moves CPU tensors only.
+    transport). ``device_maps`` and ``devices`` are parsed and checked as
+    PyTorch does (keys and values as int, str or ``torch.device``, ``"cpu"``
+    allowed on either side, one-to-one), and ``init_rpc`` checks every
+    worker's maps against every worker's device count; nbrpc does not move
+    CUDA tensors yet, so sending one still fails (move it with ``.cpu()``).
 
     Beyond PyTorch's: ``failure_timeout``, how long a worker may stay silent
     while its connection is up (busy in C code holding the GIL, stopped, or
@@ -53,6 +63,8 @@ class TensorPipeRpcBackendOptions(RpcBackendOptions):
     20.0
     >>> TensorPipeRpcBackendOptions(failure_timeout=120).failure_timeout
     120.0
+    >>> TensorPipeRpcBackendOptions(device_maps={"worker1": {"cpu": "cpu"}}).device_maps
+    {'worker1': {device(type='cpu'): device(type='cpu')}}
     """
 
     def __init__(
@@ -79,22 +91,68 @@ class TensorPipeRpcBackendOptions(RpcBackendOptions):
         self.max_message_size = max_message_size  # (checked with the agent's options)
         self.encrypt = encrypt
         self.local_ipc = local_ipc
-        if device_maps:
-            _refuse_devices()
-        self.device_maps: dict = {}
-        self.devices = list(devices or [])
+        self.device_maps: dict[str, dict[torch.device, torch.device]] = {
+            to: _to_device_map(m) for to, m in (device_maps or {}).items()}
+        self.devices: list[torch.device] = [_to_device(d) for d in devices or []]
 
-    def set_device_map(self, to: str, device_map: dict) -> None:
-        _refuse_devices()
+    def set_device_map(self, to: str, device_map: dict[DeviceType, DeviceType]) -> None:
+        """Map this worker's devices to ``to``'s, adding to what is set already (one
+        to one; ``"cpu"`` allowed); replies from ``to`` follow the inverse map.
 
-    def set_devices(self, devices: list) -> None:
-        self.devices = list(devices)
+        >>> opts = TensorPipeRpcBackendOptions()
+        >>> opts.set_device_map("worker1", {"cuda:0": "cuda:1"})
+        >>> opts.set_device_map("worker1", {"cuda:1": "cuda:2"})
+        >>> opts.device_maps["worker1"][torch.device("cuda:1")]
+        device(type='cuda', index=2)
+        """
+        full = _to_device_map(device_map)
+        current = self.device_maps.setdefault(to, {})
+        for k, v in full.items():
+            if k in current and v != current[k]:
+                raise ValueError("`set_device_map` only supports 1-to-1 mapping, trying"
+                                 f" to map {k} to {v} and {current[k]}")
+        current.update(full)
+
+    def set_devices(self, devices: list[DeviceType]) -> None:
+        """The local CUDA devices this worker serves (by default: those its maps and
+        its peers' maps name)."""
+        self.devices = [_to_device(d) for d in devices]
 
 
-def _refuse_devices() -> None:
-    raise ValueError(
-        "nbrpc sends CPU tensors only, so device maps are not supported; move tensors "
-        "with .cpu() before sending and .to(device) after receiving.")
+def _to_device(device: DeviceType) -> torch.device:
+    device = torch.device(device)
+    if device.type != "cuda":
+        raise ValueError("`set_devices` expect a list of CUDA devices, but got "
+                         f"device type {device.type}.")
+    return device
+
+
+def _to_device_map(device_map: dict[DeviceType, DeviceType]) -> dict[torch.device, torch.device]:
+    full: dict[torch.device, torch.device] = {}
+    reverse: dict[torch.device, torch.device] = {}
+    for k, v in device_map.items():
+        k, v = torch.device(k), torch.device(v)
+        if v in reverse:
+            raise ValueError("`device_map` only supports 1-to-1 mapping, "
+                             f"trying to map {k} and {reverse[v]} to {v}")
+        full[k] = v
+        reverse[v] = k
+    return full
+
+
+def device_config(opts: Any, count: int) -> DeviceConfig:
+    """What a worker publishes of its devices: ``count`` CUDA devices, and the maps
+    and devices of its options (ours or PyTorch's), as strings.
+
+    >>> device_config(TensorPipeRpcBackendOptions(device_maps={"w1": {"cpu": "cuda:0"}}), 0)
+    DeviceConfig(count=0, maps=(('w1', (('cpu', 'cuda:0'),)),), devices=())
+    """
+    maps = getattr(opts, "device_maps", None) or {}
+    return DeviceConfig(
+        count=count,
+        maps=tuple(sorted((to, tuple(sorted((str(k), str(v)) for k, v in m.items())))
+                          for to, m in maps.items() if m)),
+        devices=tuple(str(torch.device(d)) for d in getattr(opts, "devices", None) or ()))
 
 
 def _seconds(value: Any, name: str) -> float:
@@ -152,8 +210,6 @@ def read_options(opts: Any) -> dict[str, Any]:
     >>> read_options(None)["failure_timeout"] == DEFAULT_FAILURE_TIMEOUT or "env set"
     True
     """
-    if opts is not None and getattr(opts, "device_maps", None):
-        _refuse_devices()
     failure = getattr(opts, "failure_timeout", None)
     if failure is None:
         env = os.environ.get(FAILURE_TIMEOUT_ENV)
@@ -175,4 +231,6 @@ def read_options(opts: Any) -> dict[str, Any]:
     size = getattr(opts, "max_message_size", None)
     if size is not None:
         read["max_message_size"] = size
+    # PyTorch's count; with PYTORCH_NVML_BASED_CUDA_CHECK=1 it asks NVML, not CUDA
+    read["devices"] = device_config(opts, torch.cuda.device_count())
     return read

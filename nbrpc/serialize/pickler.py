@@ -79,8 +79,9 @@ def _reduce_tensor(t: torch.Tensor) -> tuple:
     if t.layout is not torch.strided or t.is_quantized or t.device.type != "cpu":
         if t.device.type != "cpu":
             raise SerializationError(
-                f"nbrpc sends CPU tensors; got one on {t.device}. Move it with .cpu() "
-                "before sending (device maps are not supported)."
+                f"nbrpc does not move {t.device.type.upper()} tensors yet (got one on "
+                f"{t.device}): move it with .cpu() before sending and .to(device) after "
+                "receiving (device maps are checked, but tensors travel on the CPU only)."
             )
         return t.__reduce_ex__(PROTOCOL)  # torch's own in-band pickling
     requires_grad, is_param = t.requires_grad, type(t) is torch.nn.Parameter

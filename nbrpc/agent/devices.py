@@ -1,0 +1,152 @@
+"""Device maps across the group: each member's devices, checked together, as plain data.
+
+A member publishes a :class:`DeviceConfig` in its :class:`~.messages.Member`
+record: how many CUDA devices its host shows it, its device maps (for each
+callee, which of its devices lands on which of the callee's), and the devices
+it declared. Devices are strings as ``str(torch.device)`` writes them
+(``"cpu"``, ``"cuda:0"``), so this layer needs no torch. Once a member has the
+group's table it checks every member's configuration with :func:`check` (the
+rules and messages of ``torch.distributed.rpc``'s TensorPipe backend, so every
+rank of a static group fails ``init_rpc`` with the same error) and derives its
+own :func:`plan`: the reverse maps its replies follow, and the devices it
+serves.
+
+>>> a = DeviceConfig(count=2, maps=(("b", (("cuda:0", "cuda:1"),)),))
+>>> b = DeviceConfig(count=2)
+>>> check({"a": a, "b": b})
+>>> plan("b", {"a": a, "b": b})
+DevicePlan(reverse_maps=(('a', (('cuda:1', 'cuda:0'),)),), devices=('cuda:1',))
+>>> check({"a": a, "b": DeviceConfig(count=1)})  # doctest: +ELLIPSIS
+Traceback (most recent call last):
+...
+nbrpc.errors.DeviceMapError: Node a has target devices with invalid indices in its device map for b
+device map = {device(type='cuda', index=0): device(type='cuda', index=1)}
+device count = 1
+Check the device_maps and devices in a's TensorPipeRpcBackendOptions ...
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+from ..errors import DeviceMapError
+from .messages import fast_pickle
+
+Map = tuple[tuple[str, str], ...]  # (local device, remote device) pairs
+
+
+@fast_pickle
+@dataclass(frozen=True, slots=True)
+class DeviceConfig:
+    """What one member says of its devices (``Member.devices``)."""
+
+    count: int = 0  # CUDA devices visible to the process
+    maps: tuple[tuple[str, Map], ...] = ()  # (callee name, its map), sorted by name
+    devices: tuple[str, ...] = ()  # declared with ``devices=`` / ``set_devices``; () = derived
+
+    def map_to(self, name: str) -> dict[str, str]:
+        return dict(next((m for to, m in self.maps if to == name), ()))
+
+
+@dataclass(frozen=True)
+class DevicePlan:
+    """One member's share of the group's configuration: the map its replies to
+    each caller follow (the caller's map, inverted), and the devices it serves."""
+
+    reverse_maps: tuple[tuple[str, Map], ...] = ()
+    devices: tuple[str, ...] = ()
+
+
+def _torch_repr(device: str) -> str:
+    """How ``torch.device`` prints, so errors read as PyTorch's.
+
+    >>> _torch_repr("cuda:1"), _torch_repr("cpu")
+    ("device(type='cuda', index=1)", "device(type='cpu')")
+    """
+    kind, _, index = device.partition(":")
+    return f"device(type='{kind}', index={index})" if index else f"device(type='{kind}')"
+
+
+def _map_repr(pairs: Iterable[tuple[str, str]]) -> str:
+    return "{" + ", ".join(f"{_torch_repr(k)}: {_torch_repr(v)}" for k, v in pairs) + "}"
+
+
+def _list_repr(devices: Iterable[str]) -> str:
+    return "[" + ", ".join(map(_torch_repr, devices)) + "]"
+
+
+def _index(device: str) -> int:
+    return int(device.partition(":")[2] or 0)
+
+
+def valid(devices: Iterable[str], count: int) -> bool:
+    """CPU, or a CUDA device this host has (PyTorch's ``_tensorpipe_validate_devices``).
+
+    >>> valid(["cpu", "cuda:1"], 2), valid(["cuda:2"], 2)
+    (True, False)
+    """
+    return all(d == "cpu" or (d.startswith("cuda:") and 0 <= _index(d) < count)
+               for d in devices)
+
+
+def check(configs: Mapping[str, DeviceConfig], static: bool = True) -> None:
+    """Raise :class:`~nbrpc.errors.DeviceMapError` (a ``ValueError``) for the first
+    problem in the group's configurations, checked in PyTorch's order and worded
+    as PyTorch words it. A dynamic group (``static=False``) does not check map
+    targets that have not joined yet."""
+    names = list(configs)
+    for node in names:
+        devices, count = configs[node].devices, configs[node].count
+        if len(set(devices)) != len(devices):
+            raise DeviceMapError(f"Node {node} has duplicated devices\n"
+                                 f"devices = {_list_repr(devices)}", node)
+        if not valid(devices, count):
+            raise DeviceMapError(f"Node {node} has devices with invalid indices\n"
+                                 f"devices = {_list_repr(devices)}\n"
+                                 f"device count = {count}", node)
+    for source in names:
+        config = configs[source]
+        targets = [to for to, _ in config.maps]
+        if static and not set(targets) <= set(names):
+            raise DeviceMapError(
+                f"Node {source} has invalid target node names in its device maps\n"
+                f"device maps = dict_keys({targets!r})\nnode names = {names!r}", source)
+        for target, pairs in config.maps:
+            where = f"in its device map for {target}\ndevice map = {_map_repr(pairs)}"
+            sources, dests = [k for k, _ in pairs], [v for _, v in pairs]
+            if len(set(dests)) != len(pairs):
+                raise DeviceMapError(f"Node {source} has duplicated target devices {where}",
+                                     source)
+            if config.devices:
+                if not set(sources) <= set(config.devices):
+                    raise DeviceMapError(
+                        f"Node {source} has unexpected source devices {where}\n"
+                        f"devices = {_list_repr(config.devices)}", source)
+            elif not valid(sources, config.count):
+                raise DeviceMapError(f"Node {source} has source devices with invalid indices "
+                                     f"{where}\ndevice count = {config.count}", source)
+            other = configs.get(target)
+            if other is not None and other.devices:
+                if not set(dests) <= set(other.devices):
+                    raise DeviceMapError(
+                        f"Node {source} has unexpected target devices {where}\n"
+                        f"devices = {_list_repr(other.devices)}", source)
+            elif other is not None and not valid(dests, other.count):
+                raise DeviceMapError(f"Node {source} has target devices with invalid indices "
+                                     f"{where}\ndevice count = {other.count}", source)
+
+
+def plan(me: str, configs: Mapping[str, DeviceConfig]) -> DevicePlan:
+    """``me``'s reverse maps (callers' maps to ``me``, inverted) and its devices:
+    the declared ones, or else every non-CPU device in its own maps and its
+    reverse maps, by index (PyTorch's ``_create_device_list``)."""
+    reverse = tuple((node, tuple((v, k) for k, v in config.map_to(me).items()))
+                    for node, config in configs.items() if config.map_to(me))
+    mine = configs[me]
+    if mine.devices:
+        devices = list(mine.devices)
+    else:
+        found = {pair[0] for _, pairs in (*mine.maps, *reverse) for pair in pairs}
+        devices = [d for d in found if d != "cpu"]
+    return DevicePlan(reverse, tuple(sorted(devices, key=_index)))

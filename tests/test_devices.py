@@ -1,0 +1,199 @@
+"""Device maps: options as ``torch.distributed.rpc`` parses them, the group's check
+and each member's plan against PyTorch's own functions on the same inputs, and
+``init_rpc`` against TensorPipe's on this machine's devices (none on CI).
+
+No GPU is needed: PyTorch checks maps against each worker's device count, which
+is a number here; the data path for CUDA tensors is not part of this file.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from torch.distributed.rpc import backend_registry as torch_registry
+
+from nbrpc.agent.devices import DeviceConfig, check, plan
+from nbrpc.errors import DeviceMapError
+from nbrpc.rpc import TensorPipeRpcBackendOptions
+from nbrpc.rpc.options import device_config
+
+DEVICES = ["cpu", "cuda:0", "cuda:1", "cuda:2"]
+
+
+def _torch_args(configs: dict[str, DeviceConfig]) -> tuple:
+    names = list(configs)
+    counts = {n: c.count for n, c in configs.items()}
+    maps = {n: {to: {torch.device(k): torch.device(v) for k, v in pairs} for to, pairs in c.maps}
+            for n, c in configs.items()}
+    devices = {n: [torch.device(d) for d in c.devices] for n, c in configs.items()}
+    return names, counts, maps, devices
+
+
+def _torch_verdict(configs: dict[str, DeviceConfig], static: bool) -> str | None:
+    try:
+        torch_registry._validate_device_maps(*_torch_args(configs), is_static_group=static)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def _ours(configs: dict[str, DeviceConfig], static: bool) -> str | None:
+    try:
+        check(configs, static)
+    except DeviceMapError as e:
+        return str(e).split("\nCheck the device_maps")[0]
+    return None
+
+
+def _random_config(rng: random.Random, names: list[str]) -> DeviceConfig:
+    count = rng.randint(0, 3)
+    maps = []
+    for to in rng.sample(names + ["stranger"], rng.randint(0, 2)):
+        pairs = {rng.choice(DEVICES): rng.choice(DEVICES) for _ in range(rng.randint(1, 2))}
+        maps.append((to, tuple(pairs.items())))
+    devices = tuple(rng.choice(DEVICES[1:]) for _ in range(rng.choice([0, 0, 1, 2])))
+    return DeviceConfig(count, tuple(sorted(maps)), devices)
+
+
+@pytest.mark.parametrize("static", [True, False])
+def test_the_group_check_says_what_pytorch_says_on_the_same_configurations(static: bool) -> None:
+    rng = random.Random(2026)
+    verdicts = {"ok": 0, "refused": 0}
+    for _ in range(600):
+        names = [f"w{i}" for i in range(rng.randint(1, 3))]
+        configs = {n: _random_config(rng, names) for n in names}
+        theirs, ours = _torch_verdict(configs, static), _ours(configs, static)
+        assert ours == theirs, configs
+        verdicts["refused" if ours else "ok"] += 1
+    assert min(verdicts.values()) > 50, verdicts  # both outcomes well exercised
+
+
+def test_each_members_plan_is_pytorchs_reverse_maps_and_device_list() -> None:
+    rng = random.Random(7)
+    planned = 0
+    for _ in range(1000):
+        names = [f"w{i}" for i in range(rng.randint(1, 3))]
+        configs = {n: _random_config(rng, names) for n in names}
+        if _ours(configs, static=True) is not None:
+            continue
+        args = _torch_args(configs)
+        for me in names:
+            ours = plan(me, configs)
+            reverse = torch_registry._create_reverse_mapping(me, args[0], args[2])
+            devices = torch_registry._create_device_list(args[3][me], args[2][me], reverse)
+            assert {n: {torch.device(k): torch.device(v) for k, v in pairs}
+                    for n, pairs in ours.reverse_maps} == reverse
+            assert [torch.device(d) for d in ours.devices] == devices
+            planned += 1
+    assert planned > 100
+
+
+# -- options, as TensorPipeRpcBackendOptions parses them ---------------------------
+def test_options_take_ints_strings_and_devices_and_cpu_on_either_side() -> None:
+    # (an int names a device of the current accelerator: PyTorch resolves it only
+    # where there is one, so CPU-only tests use strings and torch.device)
+    opts = TensorPipeRpcBackendOptions(device_maps={"w1": {"cuda:0": "cuda:1",
+                                                           "cpu": torch.device("cpu")}})
+    opts.set_device_map("w2", {torch.device("cuda", 1): "cuda:0"})
+    opts.set_device_map("w1", {"cuda:2": "cpu"})
+    assert opts.device_maps == {
+        "w1": {torch.device("cuda:0"): torch.device("cuda:1"), torch.device("cpu"): torch.device("cpu"),
+               torch.device("cuda:2"): torch.device("cpu")},
+        "w2": {torch.device("cuda:1"): torch.device("cuda:0")}}
+    opts.set_devices([torch.device("cuda", 1), "cuda:0"])
+    assert opts.devices == [torch.device("cuda:1"), torch.device("cuda:0")]
+    assert device_config(opts, count=2) == DeviceConfig(
+        2, (("w1", (("cpu", "cpu"), ("cuda:0", "cuda:1"), ("cuda:2", "cpu"))),
+            ("w2", (("cuda:1", "cuda:0"),))), ("cuda:1", "cuda:0"))
+
+
+@pytest.mark.parametrize("make", [
+    lambda o: type(o)(device_maps={"w1": {"cuda:0": "cuda:1", "cuda:2": "cuda:1"}}),
+    lambda o: o.set_device_map("w1", {"cuda:0": "cpu", "cuda:1": "cpu"}),
+    lambda o: (o.set_device_map("w1", {"cuda:0": "cuda:1"}),
+               o.set_device_map("w1", {"cuda:0": "cuda:2"})),
+    lambda o: o.set_devices(["cpu"]),
+    lambda o: type(o)(devices=["cpu"]),
+])
+def test_option_errors_are_pytorchs(make) -> None:
+    from torch.distributed import rpc as torch_rpc
+
+    with pytest.raises(ValueError) as ours:
+        make(TensorPipeRpcBackendOptions())
+    with pytest.raises(ValueError) as theirs:
+        make(torch_rpc.TensorPipeRpcBackendOptions())
+    assert str(ours.value) == str(theirs.value)
+
+
+def test_a_map_to_a_gpu_this_machine_lacks_is_refused_as_pytorch_refuses_it() -> None:
+    configs = {"w0": DeviceConfig(0, (("w1", (("cuda:0", "cpu"),)),)), "w1": DeviceConfig(0)}
+    with pytest.raises(DeviceMapError, match="source devices with invalid indices") as e:
+        check(configs)
+    assert e.value.node == "w0" and isinstance(e.value, ValueError)
+    assert "set_device_map" in str(e.value)  # then what to change
+
+
+# -- init_rpc, nbrpc against TensorPipe on this machine's devices --------------------
+def _init_child(rank: int, backend: str, port: int, maps: dict, out: str) -> None:
+    import json
+    import os
+
+    if backend == "torch":
+        import torch.distributed.rpc as rpc
+    else:
+        from nbrpc import rpc
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    opts = rpc.TensorPipeRpcBackendOptions(num_worker_threads=4, rpc_timeout=20,
+                                           device_maps=maps.get(str(rank)))
+    try:
+        rpc.init_rpc(f"w{rank}", rank=rank, world_size=2, rpc_backend_options=opts)
+    except Exception as e:  # noqa: BLE001 - what init_rpc raised is the observation
+        seen = {"error": isinstance(e, ValueError), "lines": str(e).splitlines()[:3]}
+    else:
+        seen = {"ok": rpc.rpc_sync(f"w{1 - rank}", torch.add, args=(torch.ones(2), rank)).tolist()}
+        rpc.shutdown()
+    with open(f"{out}.{rank}", "w") as f:
+        json.dump(seen, f)
+
+
+def _init_both(backend: str, maps: dict, tmp_path) -> list[dict]:
+    import json
+
+    import torch.multiprocessing as mp
+    from conftest import free_ports
+
+    out = str(tmp_path / backend)
+    mp.start_processes(_init_child, args=(backend, free_ports(1)[0], maps, out), nprocs=2,
+                       join=True, start_method="spawn")
+    return [json.loads(open(f"{out}.{rank}").read()) for rank in (0, 1)]
+
+
+@pytest.mark.torch_rpc
+@pytest.mark.parametrize("maps, expect", [
+    ({"0": {"w1": {"cpu": "cpu"}}, "1": {"w0": {"cpu": "cpu"}}},
+     [{"ok": [1.0, 1.0]}, {"ok": [2.0, 2.0]}]),
+    # rank 1's map names a GPU that rank 0 lacks: both ranks refuse, as TensorPipe's
+    ({"1": {"w0": {"cpu": "cuda:1"}}}, "Node w1 has target devices with invalid indices"),
+], ids=["cpu-to-cpu", "missing-target-gpu"])
+def test_init_rpc_checks_device_maps_as_tensorpipe_does(maps, expect, tmp_path) -> None:
+    """(Every other refusal is compared with PyTorch's checks above, without processes.)"""
+    if torch.cuda.device_count():
+        pytest.skip("the cases assume a machine without CUDA devices")
+    ours, theirs = _init_both("nbrpc", maps, tmp_path), _init_both("torch", maps, tmp_path)
+    assert ours == theirs
+    if isinstance(expect, str):  # every rank refused, with PyTorch's words first
+        assert all(seen["error"] and seen["lines"][0].startswith(expect) for seen in ours)
+    else:
+        assert ours == expect
+
+
+def test_a_tensor_off_the_cpu_is_refused_with_the_way_round_it() -> None:
+    """Until CUDA tensors travel, one is refused when pickled (the meta device stands
+    in for a GPU: every machine has it), naming its device and what to do instead."""
+    from nbrpc.errors import SerializationError
+    from nbrpc.serialize import dumps
+
+    with pytest.raises(SerializationError, match=r"META tensors yet \(got one on meta\).*\.cpu\(\)"):
+        dumps({"x": torch.empty(3, device="meta")})
