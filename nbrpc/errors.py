@@ -14,7 +14,8 @@ subclasses ``RuntimeError`` too, so code written against
     ├── RpcTimeoutError            also a TimeoutError
     ├── WorkerGoneError            the peer left the group or died
     ├── SerializationError         an argument or result could not be pickled
-    │   └── CodeCacheMiss          a request named code by hash the callee no longer has
+    │   ├── CodeCacheMiss          a request named code by hash the callee no longer has
+    │   └── MessageTooLargeError   more bytes than the receiver's max_message_size
     ├── RendezvousError            init_rpc could not form the group
     │   └── DeviceMapError         the group's device maps do not fit (also a ValueError)
     ├── ShutdownError              the agent is shutting down
@@ -115,6 +116,26 @@ class SerializationError(NbrpcError):
 
     def __reduce__(self):
         return (SerializationError, (self.args[0], self.path, self.worker))
+
+
+class MessageTooLargeError(SerializationError):
+    """A request or an answer larger than its receiver accepts (its
+    ``max_message_size``, which members tell each other when they join): refused
+    by the sender, before anything is sent, so the call fails at once rather
+    than at its timeout. ``size`` and ``limit`` are in bytes.
+
+    >>> import pickle
+    >>> e = pickle.loads(pickle.dumps(MessageTooLargeError("too large", 5, 4, "w1")))
+    >>> e.size, e.limit, e.worker
+    (5, 4, 'w1')
+    """
+
+    def __init__(self, message: str, size: int, limit: int, worker: str | None = None) -> None:
+        super().__init__(message, None, worker)
+        self.size, self.limit = size, limit
+
+    def __reduce__(self):
+        return (MessageTooLargeError, (self.args[0], self.size, self.limit, self.worker))
 
 
 class CodeCacheMiss(SerializationError):

@@ -18,14 +18,15 @@ from nbrpc.transport import new_key
 
 @contextmanager
 def local_group(names: list[str], threads: int = 4, rpc_timeout: float = 10.0,
-                dynamic: bool = False, **options) -> Iterator[list[Agent]]:
+                dynamic: bool = False, per_rank: dict[int, dict] | None = None,
+                **options) -> Iterator[list[Agent]]:
     """Agents ``names`` (rank = position) in this process, joined as one group;
-    ``options`` are more :class:`AgentOptions` fields."""
+    ``options`` are more :class:`AgentOptions` fields, ``per_rank`` more for some ranks."""
     key = new_key()
-    opts = lambda: AgentOptions(num_worker_threads=threads, rpc_timeout=rpc_timeout,  # noqa: E731
-                                **options)
+    opts = lambda r: AgentOptions(num_worker_threads=threads, rpc_timeout=rpc_timeout,  # noqa: E731
+                                  **{**options, **(per_rank or {}).get(r, {})})
     ws = None if dynamic else len(names)
-    agents = [Agent(n, r, key, world_size=ws, options=opts()) for r, n in enumerate(names)]
+    agents = [Agent(n, r, key, world_size=ws, options=opts(r)) for r, n in enumerate(names)]
     coordinator = agents[0].address
     starters = [threading.Thread(target=a.start, args=(None if a.rank == 0 else coordinator, 10))
                 for a in agents]

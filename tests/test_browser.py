@@ -181,23 +181,10 @@ def readable(nb: Notebook, shots: Shots, views: dict[str, Any], readme: bool = T
     return problems
 
 
-# Views known not to read well yet, and why: their problems make the test an
-# expected failure that lists every one (-rx shows them); any other view's
-# problems fail it, and so does a view listed here that reads well (take it off).
-NOT_YET_READABLE: dict[str, str] = {}
-
-
 def assert_readable(problems: dict[str, list[str]]) -> None:
-    """No problems, but for the views of ``NOT_YET_READABLE`` (an expected failure)."""
-    others = [p for name, ps in problems.items() if name not in NOT_YET_READABLE for p in ps]
-    assert not others, f"{len(others)} readability problems:\n" + "\n".join(others[:40])
-    fixed = [name for name in problems if name in NOT_YET_READABLE and not problems[name]]
-    assert not fixed, f"{fixed} read well now: take them off NOT_YET_READABLE"
-    known = [p for name, ps in problems.items() if name in NOT_YET_READABLE for p in ps]
-    if known:
-        pytest.xfail("; ".join(f"{name}: {NOT_YET_READABLE[name]}" for name in problems
-                               if name in NOT_YET_READABLE)
-                     + f"; {len(known)} readability problems:\n" + "\n".join(known[:40]))
+    """No view has a readability problem (each is listed, up to 40)."""
+    found = [p for ps in problems.values() for p in ps]
+    assert not found, f"{len(found)} readability problems:\n" + "\n".join(found[:40])
 
 
 def code_cells(nb: dict[str, Any]) -> list[dict[str, Any]]:

@@ -121,7 +121,8 @@ class Agent(Caller, Callee, Control, Shutdown):
         if self.io.channels is not None:  # (threads that serve a caller's own channel)
             self.io.channels.on_thread_start = self._adopt_thread
             self.io.channels.limit = opts.num_worker_threads
-        self._member = Member(name, rank, self.address, self.io.local_address, opts.devices)
+        self._member = Member(name, rank, self.address, self.io.local_address, opts.devices,
+                              opts.max_message_size)
         self.device_plan = devices.DevicePlan()  # set once the members are known
         self.pool = WorkerPool(opts.num_worker_threads, f"nbrpc-worker[{name}]",
                                self._adopt_thread, self.io.call_later)

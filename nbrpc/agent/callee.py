@@ -29,7 +29,7 @@ from .futures import on_done, outcome
 from .messages import CONTROL, INLINE, REQUEST, RESPONSE, Call, Ok
 from .pool import blocking
 from .remote_errors import pack_error
-from .wire import _LOGGED, Deferred, Wire, _unread_error, _what
+from .wire import _LOGGED, Deferred, Wire, _unread_error, _what, oversize, too_large
 
 log = logging.getLogger(__name__)
 
@@ -158,6 +158,15 @@ class Callee:
             if type(reply) is Ok:  # name the value, not the wrapper it travels in
                 e = self._unpicklable_result(reply.value, what or op, e)
             payload, buffers = dumps(pack_error(e, self.name), wire)
+        over = oversize(payload, buffers, self.members.get(peer))
+        if over is not None:  # the caller would drop it unread: answer with why instead
+            wire.unsent()
+            wire = Wire(self, peer)
+            name = self.peer_name(peer)
+            e = too_large(f"the answer to {what or op}() from {self.name!r}", *over, name)
+            reply = dataclasses.replace(pack_error(e, self.name),
+                                        pending=getattr(reply, "pending", ()))
+            payload, buffers = dumps(reply, wire)
         with self._lock:
             self._served[peer] += 1
         try:

@@ -32,6 +32,8 @@ from .wire import (
     _what,
     call_args,
     check_timeout,
+    oversize,
+    too_large,
     unpicklable_request,
 )
 
@@ -115,6 +117,12 @@ class Caller:
             if error is None:
                 raise
             raise error from None  # (its message has the pickler's; its frames are nbrpc's)
+        over = oversize(payload, buffers, self.members.get(peer))
+        if over is not None:  # the callee would drop it unread: fail now, not at the timeout
+            wire.unsent()
+            verb = msg.op if msg.op != "call" else "rpc_sync" if sync else "rpc_async"
+            name = self.peer_name(peer)
+            raise too_large(f"{verb}({name!r}, {_what(msg)}): the request", *over, name)
         mid = next(self._ids)
         p.wire = wire if wire.undo or wire.full else None
         if wire.refs and may_resend:

@@ -85,6 +85,7 @@ class Member:
     address: str
     local: str | None = None  # its Unix domain socket, for peers on its host
     devices: Any = None  # its devices.DeviceConfig (CUDA count, device maps), or None: none
+    max_message: int | None = None  # the most bytes it accepts in one message; None: default
 
 
 @fast_pickle

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..errors import CodeCacheMiss, SerializationError
+from ..errors import CodeCacheMiss, MessageTooLargeError, SerializationError
 from ..serialize import CodeCache, a_type, current_context, find_unpicklable
 from .futures import RpcFuture
 
@@ -225,6 +225,47 @@ def unpicklable_request(verb: str, worker: str, msg: Any) -> SerializationError 
         f"{verb}({worker!r}, {called}): could not pickle {what} ({a_type(part)}): "
         f"{error}. Pass only picklable values (open files, locks, sockets and threads are "
         "not), or create the object on the callee.", path, worker)
+
+
+FITS_ANYWHERE = 1 << 20  # no member accepts less (AgentOptions' minimum max_message_size)
+
+
+def oversize(payload: bytes, buffers: list, member: Any) -> tuple[int, int] | None:
+    """(the message's size, ``member``'s limit) when ``member`` would drop it as too
+    large, counted as its receiver counts (payload and buffers, wherever they
+    travel); None when it fits. A small message without buffers costs one len().
+
+    >>> from nbrpc.agent.messages import Member
+    >>> m = Member("w1", 1, "tcp://127.0.0.1:1", max_message=2 << 20)
+    >>> oversize(b"x", [], m), oversize(b"x", [bytearray(3 << 20)], m)
+    (None, (3145729, 2097152))
+    """
+    if not buffers and len(payload) < FITS_ANYWHERE:
+        return None
+    limit = getattr(member, "max_message", None)
+    if limit is None:
+        return None
+    size = len(payload) + sum(memoryview(b).nbytes for b in buffers)
+    return (size, limit) if size > limit else None
+
+
+def too_large(what: str, size: int, limit: int, worker: str) -> MessageTooLargeError:
+    """The error for a message ``worker`` would drop: both sizes, and what to change.
+
+    >>> print(too_large("rpc_sync('w1', echo): the request", 6 << 30, 4 << 30, "w1"))
+    rpc_sync('w1', echo): the request is 6.0 GiB, more than 'w1' accepts (4.0 GiB, its max_message_size): send less in one call, or start 'w1' with a larger TensorPipeRpcBackendOptions(max_message_size=...).
+    """
+    return MessageTooLargeError(
+        f"{what} is {_size(size)}, more than {worker!r} accepts ({_size(limit)}, its "
+        f"max_message_size): send less in one call, or start {worker!r} with a larger "
+        "TensorPipeRpcBackendOptions(max_message_size=...).", size, limit, worker)
+
+
+def _size(n: int) -> str:
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n} bytes"
 
 
 INTERNAL = "nbrpc:"  # the prefix of internal calls' names in the event log
