@@ -88,11 +88,22 @@ class RpcTimeoutError(NbrpcError, TimeoutError):
 
 
 class WorkerGoneError(NbrpcError, ConnectionError):
-    """The destination left the group, or stopped answering."""
+    """The destination left the group, or stopped answering.
+
+    It pickles as its fields, so one raised on a worker and sent back reads the same:
+
+    >>> import pickle
+    >>> e = WorkerGoneError("worker1", "died (its connection closed)")
+    >>> str(pickle.loads(pickle.dumps(e))) == str(e), e.worker
+    (True, 'worker1')
+    """
 
     def __init__(self, worker: str, why: str = "left the group") -> None:
-        self.worker = worker
+        self.worker, self.why = worker, why
         super().__init__(f"Worker {worker!r} {why}; calls to it cannot complete.")
+
+    def __reduce__(self):
+        return (type(self), (self.worker, self.why))
 
 
 class SerializationError(NbrpcError):

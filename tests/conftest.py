@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import socket
 import threading
 import time
@@ -43,6 +44,27 @@ def local_group(names: list[str], threads: int = 4, rpc_timeout: float = 10.0,
             t.start()
         for t in stoppers:
             t.join(20)
+
+
+def local_user(name: str) -> tuple[int, int]:
+    """(uid, gid) of a second local user ``name``, made here as a system user with no
+    home and no shell the first time (left in place); skips without root, setpriv
+    or useradd. Run code as it with ``setpriv --reuid=UID --regid=GID --clear-groups``."""
+    import pwd
+    import shutil
+    import subprocess
+
+    if os.geteuid() != 0:
+        pytest.skip("needs root, to create a second local user and run code as it")
+    if not (shutil.which("setpriv") and shutil.which("useradd")):
+        pytest.skip("needs setpriv and useradd (util-linux, passwd)")
+    try:
+        pw = pwd.getpwnam(name)
+    except KeyError:
+        subprocess.run(["useradd", "--system", "--no-create-home", "--shell",
+                        "/usr/sbin/nologin", name], capture_output=True)
+        pw = pwd.getpwnam(name)  # (a concurrent run may have made it: fine)
+    return pw.pw_uid, pw.pw_gid
 
 
 def free_ports(n: int) -> list[int]:

@@ -372,7 +372,7 @@ def test_twenty_start_stop_cycles_leak_nothing(own_cluster: None) -> None:
     # tests that spawn processes, lives as long as this process) are not ours
     earlier = set(me.children(recursive=True))
 
-    def cycle(i: int) -> tuple[list[psutil.Process], str, list[str]]:
+    def cycle(i: int) -> tuple[list[psutil.Process], str, list[str], str]:
         cluster = Cluster(progress=False).start(1)
         try:
             assert rpc.rpc_sync("worker1", os.getpid) == cluster.workers["worker1"].pid
@@ -380,23 +380,27 @@ def test_twenty_start_stop_cycles_leak_nothing(own_cluster: None) -> None:
             profile = cluster._profile_dir
             addresses = [m["address"] for m in cluster.agent.snapshot(events=0)["members"]]
             assert len(addresses) == 2 and os.path.isdir(profile), (addresses, profile)
+            # the worker's private socket directory (its process is killed at stop)
+            socket_dir = os.path.dirname(cluster.agent.members.get(1).local.partition("://")[2])
+            assert os.path.isdir(socket_dir), socket_dir
             assert not [a for a in addresses if _refuses(a)], addresses  # the probe sees them
         except BaseException:
             cluster.stop()
             raise
         cluster.stop()
-        return procs, profile, addresses
+        return procs, profile, addresses, socket_dir
 
     # The first cluster of a process creates pyzmq's process-wide
     # Context.instance() (ipyparallel's client; 5 fds, kept for the life of the
     # process): the baseline is taken after it.
-    procs, profile, addresses = cycle(0)
+    procs, profile, addresses, socket_dir = cycle(0)
     base_threads, base_fds = threading.active_count(), me.num_fds()
     for i in range(CYCLES):
         if i:
-            procs, profile, addresses = cycle(i)
+            procs, profile, addresses, socket_dir = cycle(i)
         assert not _alive(procs), f"cycle {i}: still running after stop(): {_alive(procs)}"
         assert not os.path.exists(profile), f"cycle {i}: profile dir {profile} left behind"
+        assert not os.path.exists(socket_dir), f"cycle {i}: {socket_dir} left behind"
         listening = [a for a in addresses if not _refuses(a)]
         assert not listening, f"cycle {i}: agent ports still open after stop(): {listening}"
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import pwd
 import re
 import shutil
 import signal
@@ -23,7 +22,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from conftest import poll_for, poll_or_fail
+from conftest import local_user, poll_for, poll_or_fail
 
 pytestmark = pytest.mark.lab
 
@@ -137,19 +136,9 @@ def test_make_lab_as_root(tmp_path: Path) -> None:
 
 
 @pytest.fixture
-def ordinary_user(tmp_path: Path) -> Iterator[tuple[int, int]]:
-    if os.geteuid() != 0:  # we are one already
-        yield os.getuid(), os.getgid()
-        return
-    if not (shutil.which("setpriv") and shutil.which("useradd")):
-        pytest.skip("needs setpriv and useradd (util-linux, passwd) to run as another user")
-    try:
-        pw = pwd.getpwnam(LAB_USER)
-    except KeyError:
-        subprocess.run(["useradd", "--system", "--no-create-home", "--shell",
-                        "/usr/sbin/nologin", LAB_USER], capture_output=True)
-        pw = pwd.getpwnam(LAB_USER)  # (a concurrent run may have made it: fine)
-    yield pw.pw_uid, pw.pw_gid
+def ordinary_user() -> tuple[int, int]:
+    """Ourselves unless we are root; else a second local user made for this."""
+    return (os.getuid(), os.getgid()) if os.geteuid() != 0 else local_user(LAB_USER)
 
 
 def _can_run_make_lab(tree: Path, env: dict[str, str], prefix: list[str]) -> None:

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import json
 import os
-import pwd
 import shutil
 import stat
 import subprocess
@@ -42,7 +41,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from conftest import free_ports, poll_or_fail
+from conftest import free_ports, local_user, poll_or_fail
 
 import nbrpc
 from nbrpc import rpc
@@ -76,28 +75,20 @@ class Attacker:
 
 @pytest.fixture(scope="module")
 def attacker() -> Attacker:
-    if os.geteuid() != 0:
-        pytest.skip("needs root, to create a second local user and run code as it")
-    if not (shutil.which("setpriv") and shutil.which("useradd")):
-        pytest.skip("needs setpriv and useradd (util-linux, passwd)")
-    try:
-        pw = pwd.getpwnam(ATTACKER)
-    except KeyError:
-        subprocess.run(["useradd", "--system", "--no-create-home", "--shell",
-                        "/usr/sbin/nologin", ATTACKER], capture_output=True)
-        pw = pwd.getpwnam(ATTACKER)  # (a concurrent run may have made it: fine)
+    uid, gid = local_user(ATTACKER)
     import zmq
+
     site = str(Path(zmq.__file__).resolve().parent.parent)
     env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": site, "HOME": "/nonexistent",
            "PYTHONDONTWRITEBYTECODE": "1"}
     why = []
     for python in (sys.executable, "/usr/bin/python3"):  # the venv's, if others may run it
         probe = subprocess.run(
-            ["setpriv", f"--reuid={pw.pw_uid}", f"--regid={pw.pw_gid}", "--clear-groups",
+            ["setpriv", f"--reuid={uid}", f"--regid={gid}", "--clear-groups",
              python, "-c", "import zmq"],
             env=env, cwd="/", capture_output=True, text=True, timeout=30)
         if probe.returncode == 0:
-            return Attacker(pw.pw_uid, pw.pw_gid, python, env)
+            return Attacker(uid, gid, python, env)
         why.append(f"{python}: {probe.stderr.strip()[-200:]}")
     pytest.skip(f"no Python with pyzmq that {ATTACKER} may run: {why}")
 

@@ -254,3 +254,28 @@ def test_writer_never_reuses_a_segment_someone_else_replaced() -> None:
     finally:
         w.close()
         shm._unlink(name)
+
+
+def test_writer_close_goes_on_past_a_file_it_may_not_remove(monkeypatch, caplog) -> None:
+    """A name another user occupies cannot be unlinked (EPERM in the sticky /dev/shm):
+    close logs it and still removes the rest, so the transport's close runs to its end."""
+    w = shm.ShmWriter()
+    first = w.write(memoryview(bytes(300_000)))
+    held = torch.frombuffer(shm.read(first, 300_000, lambda fn: fn()), dtype=torch.uint8)
+    second = w.write(memoryview(bytes(300_000)))  # the first is still held: a second segment
+    unlink = os.unlink
+
+    def refuse(path, *args, **kwargs):
+        if path.endswith(first):
+            raise PermissionError(1, "Operation not permitted", path)
+        return unlink(path, *args, **kwargs)
+
+    monkeypatch.setattr(shm.os, "unlink", refuse)
+    with caplog.at_level("WARNING", logger="nbrpc.transport.shm"):
+        w.close()
+    assert _ours(w._prefix) == [first] and second != first
+    assert "could not remove shared-memory file" in caplog.text
+    monkeypatch.undo()
+    del held
+    shm._unlink(first)
+    assert _ours(w._prefix) == []

@@ -262,6 +262,25 @@ def test_deferred_messages_left_in_a_dropped_connection_go_on_the_new_one(
         assert got[1].msg_id == 2 and isinstance(a._dealers[1].sock, UnixSender)
 
 
+def test_a_message_a_sender_appends_to_a_connection_just_dropped_goes_on_the_new_one(
+        ) -> None:
+    """A sender takes the peer's connection; the loop drops it (a redial) before the
+    sender appends its message and flushes: the flush finds the socket closed, and
+    the message goes on the peer's new connection rather than down with the old."""
+    with _pair(unix=False) as (a, b, got):  # over TCP: b's Unix socket not known yet
+        a.send(1, 0, 1, b"over tcp")
+        assert poll_for(lambda: got, timeout=5)
+        taken = a._dealers[1]  # the sender has it ...
+        a.set_address(1, b.address, b.local_address)  # ... the redial drops it ...
+        assert poll_for(lambda: taken.dropped and taken.sock.closed, timeout=5)
+        frames = pack(a._key, 0, 0, 2, b"late", [])
+        taken.queue.append((frames, sum(len(f) for f in frames), 2))  # ... then it sends
+        taken.flush()
+        assert poll_for(lambda: len(got) == 2, timeout=5), got
+        assert got[1].msg_id == 2 and isinstance(a._dealers[1].sock, UnixSender)
+        assert not taken.queue
+
+
 def test_loop_refuses_a_connection_that_never_authenticates(monkeypatch) -> None:
     from nbrpc.transport import unix
     monkeypatch.setattr(unix, "HELLO_TIMEOUT", 0.2)

@@ -34,7 +34,7 @@ from .. import views
 from ..agent import Agent, AgentOptions, set_default_agent
 from ..agent.agent import _Default
 from ..errors import AlreadyInitializedError, NbrpcError
-from ..transport import new_key
+from ..transport import local, new_key
 from . import engine as engine_side
 from . import guard
 from .ipp import ClusterError, LoopThread, host_for_rank, kill_family, routable_ip
@@ -453,6 +453,7 @@ class Cluster:
             if self._own_profile and self._profile_dir:
                 shutil.rmtree(self._profile_dir, ignore_errors=True)
                 self._profile_dir, self._own_profile = None, False
+            local.sweep()  # the socket directories of engines that were killed
             self.workers.clear()
             self._used.clear()
             self.agent = self.client = self._ipp = self._loop = self._zygote = None

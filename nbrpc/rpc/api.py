@@ -185,9 +185,7 @@ def rpc_async(to: Any, func: Callable, args: tuple | None = None,
     try:
         return current_agent("rpc_async").rpc_async(to, func, args, kwargs, timeout)
     except Exception as e:
-        if _about_the_call(e):
-            e.__traceback__ = None  # (raised again without nbrpc's frames)
-            raise
+        _drop_our_frames(e)
         raise
 
 
@@ -210,9 +208,7 @@ def rpc_sync(to: Any, func: Callable, args: tuple | None = None,
     try:
         return current_agent("rpc_sync").rpc_sync(to, func, args, kwargs, timeout)
     except Exception as e:
-        if _about_the_call(e):
-            e.__traceback__ = None  # (raised again without nbrpc's frames)
-            raise
+        _drop_our_frames(e)
         raise
 
 
@@ -234,19 +230,18 @@ def remote(to: Any, func: Callable, args: tuple | None = None,
         args, kwargs = call_args(args, kwargs)
         return _remote(agent, to, func, args, kwargs, timeout)
     except Exception as e:
-        if _about_the_call(e):
-            e.__traceback__ = None  # (raised again without nbrpc's frames)
-            raise
+        _drop_our_frames(e)
         raise
 
 
-def _about_the_call(e: Exception) -> bool:
-    """Whether ``e`` is about the user's call rather than nbrpc's own code: an
-    nbrpc error (the destination, a value that does not pickle, a timeout) or
-    an error raised on the callee and raised again here. Raised again from the
-    public function without nbrpc's frames, its traceback ends at the user's
-    line; any other error (a bug in nbrpc) keeps every frame."""
-    return isinstance(e, NbrpcError) or getattr(e, "remote_worker", None) is not None
+def _drop_our_frames(e: Exception) -> None:
+    """Let ``e`` be raised again from the public function without nbrpc's frames,
+    so its traceback ends at the user's line, when it is about the user's call:
+    an nbrpc error (the destination, a value that does not pickle, a timeout)
+    or an error raised on the callee and raised again here. Any other error
+    (a bug in nbrpc) keeps every frame."""
+    if isinstance(e, NbrpcError) or getattr(e, "remote_worker", None) is not None:
+        e.__traceback__ = None
 
 
 def get_worker_info(worker_name: str | None = None) -> WorkerInfo:

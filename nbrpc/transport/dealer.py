@@ -9,6 +9,12 @@ only queues; the I/O thread writes what has queued by then, several
 messages in one system call on a Unix socket, and a thread that is about to
 wait for its answer may write it first itself, or take it back to send it
 another way (:meth:`Dealer.take_last`: ``to_here`` right after ``remote``).
+
+A connection the loop drops (a redial, the peer moving to its Unix socket)
+is closed and marked ``dropped`` under its lock. A sender that took the
+dealer just before may still append to it: whatever a flush finds on a
+dropped dealer goes to ``reroute`` (the peer's current connection), never
+onto the closed socket, so no message is lost between the drop and the close.
 """
 
 from __future__ import annotations
@@ -37,18 +43,21 @@ class Link(Protocol):
 class Dealer:
     """A peer's outgoing socket, its lock and the messages waiting for the lock."""
 
-    __slots__ = ("peer", "note_drop", "sock", "monitor", "lock", "queue", "flush_due",
-                 "sent_msgs", "sent_bytes")
+    __slots__ = ("peer", "note_drop", "reroute", "sock", "monitor", "lock", "queue",
+                 "flush_due", "dropped", "sent_msgs", "sent_bytes")
 
-    def __init__(self, peer: int, note_drop: Callable[[str, str], None], sock: Link,
+    def __init__(self, peer: int, note_drop: Callable[[str, str], None],
+                 reroute: Callable[[int, list], None], sock: Link,
                  monitor: zmq.Socket | None = None) -> None:
         self.peer = peer
         self.note_drop = note_drop  # counts a message the socket cannot take
+        self.reroute = reroute  # sends queue entries again, on the peer's current connection
         self.sock = sock
         self.monitor = monitor  # a zmq socket's monitor; None for a Unix socket
         self.lock = threading.Lock()
         self.queue: deque = deque()  # (frames, nbytes, message id)
         self.flush_due = False  # the I/O thread will flush (deferred messages wait)
+        self.dropped = False  # closed by the loop, which no longer lists it (see drop)
         self.sent_msgs = self.sent_bytes = 0  # under lock
 
     def flush(self) -> None:
@@ -60,11 +69,15 @@ class Dealer:
         while queue:
             if not lock.acquire(blocking=False):
                 return  # the holder re-checks the queue after releasing
+            stranded: list = []  # appended to a dropped dealer: sent again elsewhere
             try:
                 sock = self.sock
                 while queue:
-                    out, size, _ = queue.popleft()
+                    entry = queue.popleft()
+                    out, size, _ = entry
                     if sock.closed:
+                        if self.dropped:
+                            stranded.append(entry)
                         continue
                     try:
                         if batches:
@@ -80,6 +93,20 @@ class Dealer:
                     sock.push()
             finally:
                 lock.release()
+            if stranded:
+                self.reroute(self.peer, stranded)
+
+    def drop(self, linger: int) -> list:
+        """Close the socket (its own queue drains within ``linger`` ms) and mark the
+        dealer dropped; returns what waited in its queue, for the caller to send
+        again. The loop no longer lists it: a flush hands later messages to
+        ``reroute``."""
+        with self.lock:
+            stranded = list(self.queue)
+            self.queue.clear()
+            self.sock.close(linger=linger)
+            self.dropped = True
+        return stranded
 
     def take_last(self, msg_id: int) -> list | None:
         """The frames of message ``msg_id``, taken out of the queue if it is

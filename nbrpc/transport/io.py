@@ -363,8 +363,13 @@ class IOLoop:
         with dealer.lock:
             entries = list(dealer.queue)
             dealer.queue.clear()
+        self._resend(dealer.peer, entries)
+
+    def _resend(self, peer: int, entries: list) -> None:
+        """Send queue entries of a dropped connection as new messages to ``peer``:
+        on its current connection, or held or dropped as any message to it would be."""
         for entry in entries:
-            self._send_frames(dealer.peer, entry, defer=True)
+            self._send_frames(peer, entry, defer=True)
 
     def _open_dealer(self, peer: int, entry: tuple) -> Dealer | None:
         """The connection to ``peer``, made now; None when the message (``entry``)
@@ -396,7 +401,7 @@ class IOLoop:
         if endpoint is not None and endpoint.startswith("unix://"):
             return self._new_unix_dealer(peer, endpoint)
         self._links[peer] = time.monotonic()  # down until connected
-        dealer = self._dealers[peer] = Dealer(peer, self.note_drop,
+        dealer = self._dealers[peer] = Dealer(peer, self.note_drop, self._resend,
                                              *self._zmq.connect(endpoint or address))
         self.call_soon(self._watch, peer, dealer)
         return dealer
@@ -405,7 +410,7 @@ class IOLoop:
         """A plain Unix socket to ``peer`` (see :mod:`.unix`)."""
         sender = unix.UnixSender(endpoint, self._token,
                                  lambda s: self.call_soon(self._unix.want_write, s))
-        dealer = self._dealers[peer] = Dealer(peer, self.note_drop, sender)
+        dealer = self._dealers[peer] = Dealer(peer, self.note_drop, self._resend, sender)
         self._links[peer] = None if sender.connected else time.monotonic()
         self.call_soon(self._watch, peer, dealer)
         return dealer
@@ -551,9 +556,8 @@ class IOLoop:
         if entry is not None:
             if entry.monitor is None and self._unix is not None:
                 self._unix.forget(entry)
-            self._requeue(entry)  # (its socket's own queue drains within the linger)
-            with entry.lock:
-                entry.sock.close(linger=linger)
+            self._resend(peer, entry.drop(linger))
+            entry.flush()  # what a sender appended while drop() held the lock: resent
             self._zmq.unwatch(entry)
 
     def deliver(self, frames: list, via: Any = None) -> None:

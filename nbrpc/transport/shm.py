@@ -339,11 +339,15 @@ class ShmWriter:
 
 
 def _unlink(name: str) -> None:
+    """Remove a segment's files; never raises, so every close path runs to its end
+    (a name another user occupies cannot be removed: EPERM in the sticky /dev/shm)."""
     for path in (_path(name), _path(name) + FREE):
         try:
             os.unlink(path)
         except FileNotFoundError:
             pass
+        except OSError as e:
+            log.warning("nbrpc: could not remove shared-memory file %s: %s", path, e)
 
 
 def read(name: str, nbytes: int, release: Callable[[Callable[[], None]], None]) -> memoryview:
