@@ -67,6 +67,20 @@ def local_user(name: str) -> tuple[int, int]:
     return pw.pw_uid, pw.pw_gid
 
 
+def small_rref_graph(type_name: str, nbytes: int) -> dict:
+    """``debug.rref_graph()``'s plain data for a small group: one value (of
+    ``type_name``, ``nbytes``) owned by worker1 and held by the driver, and a
+    driver's fork of a value whose owner, worker2, is no longer listed."""
+    return {"workers": ["driver", "worker1"], "pending": [], "edges": [], "users": [
+        {"rref_id": "1:1", "fork_id": "0:2", "owner": "worker1", "parent": None,
+         "state": "confirmed", "site": "x.py:3", "worker": "driver"},
+        {"rref_id": "2:1", "fork_id": "0:3", "owner": "worker2", "parent": None,
+         "state": "confirmed", "site": "x.py:4", "worker": "driver"}],
+        "values": {"1:1": {"owner": "worker1", "state": "ready", "type": type_name,
+                           "nbytes": nbytes, "site": "x.py:3", "age": 1.0, "owner_refs": 0,
+                           "users": {"0:2": "driver"}}}}
+
+
 def free_ports(n: int) -> list[int]:
     """``n`` distinct loopback ports free at the time of the call."""
     socks = []

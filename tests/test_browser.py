@@ -35,6 +35,7 @@ from typing import Any
 
 import pytest
 from browser_util import DARK, LIGHT, Lab, Notebook, errors_in, wait_until, why_no_browser
+from conftest import small_rref_graph
 
 pytestmark = [pytest.mark.browser, pytest.mark.timeout(900)]
 
@@ -492,14 +493,7 @@ def test_d_static_reprs_read_in_a_dark_page_and_without_jupyterlab(page) -> None
     omap = {"driver": [], "worker1": [{"rref_id": "1:1", "type": "torch.Tensor", "nbytes": 4096,
                                        "state": "ready", "held_by": ["driver"],
                                        "owner_refs": 0, "site": "x.py:3"}]}
-    graph = {"workers": ["driver", "worker1"], "pending": [], "edges": [], "users": [
-        {"rref_id": "1:1", "fork_id": "0:2", "owner": "worker1", "parent": None,
-         "state": "confirmed", "site": "x.py:3", "worker": "driver"},
-        {"rref_id": "2:1", "fork_id": "0:3", "owner": "worker2", "parent": None,
-         "state": "confirmed", "site": "x.py:4", "worker": "driver"}],
-        "values": {"1:1": {"owner": "worker1", "state": "ready", "type": "torch.Tensor",
-                           "nbytes": 4096, "site": "x.py:3", "age": 1.0, "owner_refs": 0,
-                           "users": {"0:2": "driver"}}}}
+    graph = small_rref_graph("torch.Tensor", 4096)
     reprs = {"trace": trace_html(trace), "owner_map": owner_map_html(omap),
              "rref_graph": rref_graph_html(graph)}
     problems = []

@@ -9,7 +9,7 @@ import sys
 import time
 
 import pytest
-from conftest import poll_for
+from conftest import poll_for, small_rref_graph
 
 pytest.importorskip("anywidget")
 
@@ -265,14 +265,7 @@ def test_its_text_and_lines_follow_the_theme() -> None:
 
     from nbrpc.jupyter.svg import ERROR
 
-    graph = {"workers": ["driver", "worker1"], "pending": [], "edges": [], "users": [
-        {"rref_id": "1:1", "fork_id": "0:2", "owner": "worker1", "parent": None,
-         "state": "confirmed", "site": "x.py:3", "worker": "driver"},
-        {"rref_id": "2:1", "fork_id": "0:3", "owner": "worker2", "parent": None,
-         "state": "confirmed", "site": "x.py:4", "worker": "driver"}],
-        "values": {"1:1": {"owner": "worker1", "state": "ready", "type": "builtins.list",
-                           "nbytes": 72, "site": "x.py:3", "age": 1.0, "owner_refs": 0,
-                           "users": {"0:2": "driver"}}}}
+    graph = small_rref_graph("builtins.list", 72)
     svg = graph_svg(graph_model(graph, lane_limit=1))
     # the drawing's text takes the page's text colour (light or dark theme, GitHub)...
     assert re.match(r'<svg [^>]*fill="currentColor"', svg)
