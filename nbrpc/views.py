@@ -1,11 +1,19 @@
-"""Where core objects find their views, without importing any display library.
+"""Where core objects find their widgets, without importing any display library.
 
 The core layers (``debug``, ``autograd``, ``cluster``) hold plain data; only
-:mod:`nbrpc.jupyter` imports IPython, ipywidgets, anywidget or matplotlib. A
-core method such as ``Trace.widget()`` asks this registry for the view of a
-kind; the Jupyter layer registers its factories when it is imported, which
-the first such request does (``nbrpc.jupyter`` is then loaded by name, so the
-arrows between layers still point downward in the source).
+:mod:`nbrpc.jupyter` imports IPython, ipywidgets, anywidget or matplotlib. It
+registers one view per kind here when it is imported (``%load_ext nbrpc``
+imports it), and a core method such as ``Trace.widget()`` asks for the view
+of its kind::
+
+    nbrpc.jupyter (on import)  ── register("trace", TraceView) ──▶  this registry
+    Trace.widget()             ── make("trace", trace) ─────────▶  TraceView(trace)
+
+A view asked for before the Jupyter layer is loaded loads it:
+:func:`load_display_layer` is the one place where the core imports
+:mod:`nbrpc.jupyter`, inside a function, so that ``trace.widget()`` works
+without ``%load_ext nbrpc`` while importing any core module still loads no
+display library.
 
 >>> from nbrpc import views
 >>> views.register("demo", lambda obj, **kw: f"a view of {obj!r}")
@@ -20,12 +28,10 @@ LookupError: no view of kind 'nothing-like-it'; known: ...
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable
 from typing import Any
 
 _factories: dict[str, Callable[..., Any]] = {}
-DISPLAY_LAYER = "nbrpc.jupyter"
 
 
 def register(kind: str, factory: Callable[..., Any]) -> None:
@@ -37,6 +43,11 @@ def unregister(kind: str) -> None:
     _factories.pop(kind, None)
 
 
+def load_display_layer() -> None:
+    """Import :mod:`nbrpc.jupyter`, which registers its views (see its ``VIEWS``)."""
+    from . import jupyter  # noqa: F401 - importing it registers every view
+
+
 def make(kind: str, obj: Any, **options: Any) -> Any:
     """The view of ``obj`` as ``kind`` (``"trace"``, ``"rref_graph"``, ...).
 
@@ -45,7 +56,7 @@ def make(kind: str, obj: Any, **options: Any) -> Any:
     """
     if kind not in _factories:
         try:
-            importlib.import_module(DISPLAY_LAYER)
+            load_display_layer()
         except ImportError as e:
             raise ImportError(
                 f"nbrpc's {kind} view needs the notebook packages ({e.name or e}); "

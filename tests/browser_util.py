@@ -28,7 +28,6 @@ import re
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -39,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 import psutil
-from conftest import poll_or_fail
+from conftest import free_ports, poll_or_fail
 
 # Debian's package puts its launcher here; the binary itself is /usr/lib/chromium/chromium.
 CHROMIUM_CANDIDATES = ("/usr/bin/chromium", "/usr/lib/chromium/chromium",
@@ -86,12 +85,6 @@ def why_no_browser() -> str | None:
     return None
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def wait_until(pred: Callable[[], Any], timeout: float, what: Any,
                interval: float = 0.25) -> Any:
     """conftest's ``poll_or_fail``, polling a page at a gentler pace."""
@@ -103,7 +96,7 @@ class Lab:
 
     def __init__(self, root: Path, home: Path) -> None:
         self.root, self.home = Path(root), Path(home)
-        self.port, self.token = free_port(), secrets.token_hex(16)
+        self.port, self.token = free_ports(1)[0], secrets.token_hex(16)
         self.proc: subprocess.Popen | None = None
         self.log_path = self.home / "lab.log"
 

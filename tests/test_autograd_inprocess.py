@@ -565,7 +565,7 @@ def test_step_mode_gradients_are_identical_to_normal_mode(group) -> None:
     assert all(torch.equal(n, s) for n, s in zip(seen["normal"], seen["step"]))
 
 
-# -- the answer carries the gradients back (backward.Back) --------------------------------
+# -- the answer carries the gradients back (messages.Back) --------------------------------
 def _sent(agent, op: str, since: float) -> int:
     return sum(1 for e in agent.events.records()
                if e["event"] == "send" and e["op"] == op and e["time"] >= since)

@@ -9,6 +9,13 @@ from pathlib import Path
 
 PKG = Path(__file__).resolve().parent.parent / "nbrpc"
 
+# Only the Jupyter layer may import display libraries. Core objects reach their
+# views through nbrpc.views, where the Jupyter layer registers them when it is
+# imported; views.load_display_layer() is the core's one import of nbrpc.jupyter
+# (inside a function), and nbrpc/__init__.py holds IPython's extension hooks.
+DISPLAY = {"IPython", "ipywidgets", "anywidget", "matplotlib", "ipykernel"}
+DOORS = {PKG / "__init__.py", PKG / "views.py"}  # may import nbrpc.jupyter, in a function
+
 # layer -> names it must never import (at any level of a module, functions included)
 FORBIDDEN = {
     "transport": {"pickle", "cloudpickle", "torch", "nbrpc.serialize", "nbrpc.agent",
@@ -17,12 +24,13 @@ FORBIDDEN = {
     "agent": {"nbrpc.rref", "nbrpc.rpc", "nbrpc.debug", "IPython", "ipywidgets"},
     "rref": {"nbrpc.rpc", "nbrpc.debug", "IPython", "ipywidgets"},
     "rpc": {"IPython", "ipywidgets"},
+    "autograd": {"nbrpc.optim", "nbrpc.nn", "nbrpc.debug", "nbrpc.cluster", "nbrpc.jupyter",
+                 *DISPLAY},
+    "optim": {"nbrpc.debug", "nbrpc.cluster", "nbrpc.jupyter", *DISPLAY},
+    "nn": {"nbrpc.debug", "nbrpc.cluster", "nbrpc.jupyter", *DISPLAY},
+    "debug": {"nbrpc.cluster", "nbrpc.jupyter", *DISPLAY},
+    "cluster": {"nbrpc.jupyter", *DISPLAY},
 }
-
-
-# Only the Jupyter layer may import display libraries; core objects reach their
-# views through nbrpc.views, which loads nbrpc.jupyter by name.
-DISPLAY = {"IPython", "ipywidgets", "anywidget", "matplotlib", "ipykernel"}
 
 
 def _imports(path: Path) -> set[str]:
@@ -57,12 +65,25 @@ def test_only_the_jupyter_layer_imports_display_libraries() -> None:
     for path in sorted(PKG.rglob("*.py")):
         if path.is_relative_to(PKG / "jupyter"):
             continue
-        # nbrpc/__init__.py holds IPython's extension hooks, which load the layer
-        banned = DISPLAY if path == PKG / "__init__.py" else DISPLAY | {"nbrpc.jupyter"}
+        banned = DISPLAY if path in DOORS else DISPLAY | {"nbrpc.jupyter"}
         for name in _imports(path):
             if any(name == f or name.startswith(f + ".") for f in banned):
                 problems.append(f"{path.relative_to(PKG.parent)} imports {name}")
     assert not problems, "\n".join(problems)
+
+
+def test_importing_the_core_loads_no_display_library() -> None:
+    """The doors to the Jupyter layer open only when a view is asked for."""
+    code = (
+        "import sys\n"
+        "import nbrpc, nbrpc.views, nbrpc.ipython, nbrpc.rpc, nbrpc.autograd, nbrpc.optim\n"
+        "import nbrpc.nn, nbrpc.debug, nbrpc.cluster\n"
+        f"banned = {sorted(DISPLAY | {'nbrpc.jupyter'})!r}\n"
+        "print(sorted(m for m in sys.modules if any(m == b or m.startswith(b + '.') "
+        "for b in banned)))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr
 
 
 def test_importing_nbrpc_starts_no_thread_and_no_socket() -> None:

@@ -4,13 +4,13 @@ Quick start's notebook cells (in a real kernel)."""
 from __future__ import annotations
 
 import re
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
+from conftest import free_ports
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 
@@ -20,9 +20,7 @@ def test_readme_example_runs(tmp_path: Path) -> None:
     text = README.read_text()
     start = text.index("```python\n") + len("```python\n")
     code = text[start:text.index("```", start)]
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    (port,) = free_ports(1)
     script = tmp_path / "example.py"
     script.write_text(code.replace('MASTER_PORT="29500"', f'MASTER_PORT="{port}"'))
     out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,

@@ -440,7 +440,7 @@ def test_forks_in_a_request_the_callee_cannot_unpickle_are_undone(group, to) -> 
     assert poll_for(lambda: freed("unread"))
 
 
-# -- to_here() answered on the owner's I/O thread (issue 15's shortcut) ------------------
+# -- to_here() of a value that is ready: answered on the owner's I/O thread -------------
 def slow_value(seconds: float, tag: str) -> Tracked:
     time.sleep(seconds)
     return Tracked(tag)

@@ -14,17 +14,8 @@ from typing import Any
 import pytest
 
 from nbrpc.errors import NbrpcError
-from nbrpc.rref.state import (
-    CONFIRMED,
-    DELETING,
-    FAILED,
-    PENDING,
-    ChildAccept,
-    Delete,
-    ForkRequest,
-    RRefId,
-    RRefState,
-)
+from nbrpc.rref.messages import ChildAccept, Delete, ForkRequest
+from nbrpc.rref.state import CONFIRMED, DELETING, FAILED, PENDING, RRefId, RRefState
 
 
 class Ref:

@@ -11,14 +11,14 @@ attack             what must happen
 =================  ===========================================================
 forged key         knowing only the rendezvous address of a real tcp:// group
                    (two processes), it signs a REQUEST whose pickle would
-                   write a marker, with the key that used to be derived from
-                   that address: both ranks drop it as a bad signature, the
+                   write a marker, with a key derived from that address
+                   alone: both ranks drop it as a bad signature, the
                    marker never appears, the group still answers, and the
                    victim's key file cannot be read
 squatted file      it writes the file:// rendezvous file first, in a sticky
                    world-writable directory: rank 1 and rank 0 both refuse,
                    naming the attacker as the file's owner
-symlinks           it plants links at the old predictable temporary names and
+symlinks           it plants links at predictable (PID-based) temporary names and
                    at the rendezvous path itself: rank 0 publishes through an
                    unpredictable name (the attacker's file stays empty and the
                    published file is unreadable to it), and neither rank
@@ -274,7 +274,7 @@ os.chmod(loot, 0o666)
 if at_path:
     os.symlink(loot, path)
 else:
-    for pid in range(max(1, victim_pid - 30), victim_pid + 30):  # the old temp names
+    for pid in range(max(1, victim_pid - 30), victim_pid + 30):  # PID-based temp names
         os.symlink(loot, f"{path}.{pid}.tmp")
 print(json.dumps({"loot": loot}))
 """

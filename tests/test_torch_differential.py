@@ -22,7 +22,6 @@ import faulthandler
 import json
 import math
 import os
-import socket
 import time
 import traceback
 from collections.abc import Callable
@@ -32,6 +31,7 @@ from typing import Any
 import pytest
 import torch
 import torch.multiprocessing as mp
+from conftest import free_ports
 
 pytestmark = pytest.mark.torch_rpc
 
@@ -683,12 +683,6 @@ def _child(rank: int, backend: str, port: int, out: str) -> None:
         faulthandler.cancel_dump_traceback_later()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def observed(tmp_path_factory) -> dict:
     d = tmp_path_factory.mktemp("differential")
@@ -696,7 +690,7 @@ def observed(tmp_path_factory) -> dict:
     for backend in BACKENDS:
         out = d / f"{backend}.json"
         try:
-            mp.spawn(_child, args=(backend, _free_port(), str(out)), nprocs=2, join=True)
+            mp.spawn(_child, args=(backend, free_ports(1)[0], str(out)), nprocs=2, join=True)
         except Exception as e:
             seen[f"{backend}:error"] = e
         seen[backend] = json.loads(out.read_text()) if out.exists() else {}

@@ -237,7 +237,7 @@ def _entry(t: float, event: str, peer: str, duration: float | None = None) -> tu
 def test_a_call_is_shown_before_its_reply_whatever_order_its_logs_were_written_in() -> None:
     # A self-call under load: the reply arrived (recv) before the calling thread
     # logged its send, and the callee logged its serve just after the caller had
-    # left the block (CI failure of the nbrpc.debug.trace doctest).
+    # left the block (as the nbrpc.debug.trace doctest can see on a busy machine).
     for serve in ([], [_entry(0.55, "serve", "d", 0.4)]):
         t = debug.Trace(workers=["d"], start=100.0, duration=0.5, _offsets={"d": 0.0})
         t._build({"d": [_entry(0.20, "recv", "d", 0.01), _entry(0.21, "send", "d"), *serve]})

@@ -2,7 +2,7 @@
 
 Scope: every test of the suites that uses only the public API. ``EXCLUDED``
 lists the others with the reason; ``KNOWN_FAILING`` lists public-API tests that
-nbrpc fails today (issue 14), with what they show; ``FLAKY`` lists public-API
+nbrpc fails, with what they show; ``FLAKY`` lists public-API
 tests that pass alone but fail under load; ``DEVIATIONS`` lists where nbrpc
 differs from PyTorch on purpose (also in the README), each pinned by a test of
 nbrpc's own behaviour. Every other test of the suites runs in ``make test``.
@@ -239,7 +239,7 @@ EXCLUDED: dict[str, dict[str, str]] = {
             'TorchScript (torch.jit functions or modules as RPC targets)',
     },
 }
-# Public API, failing today (issue 14): what the run showed.
+# Public API, failing: what the run shows.
 KNOWN_FAILING: dict[str, dict[str, str]] = {
     'DistAutogradTest': {
         'test_post_hooks':
@@ -259,8 +259,7 @@ KNOWN_FAILING: dict[str, dict[str, str]] = {
     },
 }
 # Public API, passing alone but failing under load (2 cores shared with other
-# work). Empty since the fixes of 2026-11-24 (a call that arrives before the
-# callee has the member table waits for it; file:// beside c10d's FileStore).
+# work): none.
 FLAKY: dict[str, dict[str, str]] = {}
 # Where nbrpc differs from PyTorch on purpose (README, "differs from PyTorch").
 DEVIATIONS: dict[str, dict[str, str]] = {

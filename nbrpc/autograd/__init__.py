@@ -27,8 +27,9 @@ import torch
 from ..agent import Agent, current_agent, register_extension
 from ..serialize import register_grad_hooks
 from . import backward as _backward
-from .context import AutogradContext, Contexts, Release, contexts_of
+from .context import AutogradContext, Contexts, contexts_of
 from .engine import BackwardError, LocalPass, StageRecord
+from .messages import Release
 from .stepper import BackwardStepper
 
 __all__ = ["AutogradContext", "BackwardError", "BackwardStepper", "LocalPass", "StageRecord",

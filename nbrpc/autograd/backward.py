@@ -22,13 +22,14 @@ to that request (:class:`Back`, each with its share of the credit), and so
 does the credit it returns when that worker began the pass; the initiator's
 waiting thread runs the stages that answers bring it (no pool thread in
 between). The common two-worker pass (A → B → A) is two messages and two
-thread hand-offs, where it was four messages and three hand-offs. (Sending
-the initiator's ``Grads`` over its own channel, as ``rpc_sync`` does, was
-measured too: slower here, with PyTorch's OpenMP threads spinning on 2 cores.)
+thread hand-offs; a request per gradient would take four messages and three.
+(The initiator's ``Grads`` go through the pool, not over its own channel as
+``rpc_sync``'s do: measured, the channel is slower here, with PyTorch's OpenMP
+threads spinning on 2 cores.)
 
 Step mode (:class:`BackwardStepper`): the same stages, but a stage returns the
 gradients it would send, and the driver delivers them, one stage per
-``step()``.
+``step()``. The messages, who sends each and what answers it: :mod:`.messages`.
 """
 
 from __future__ import annotations
@@ -39,7 +40,6 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
 from fractions import Fraction
 from functools import partial
 from typing import Any
@@ -47,81 +47,17 @@ from typing import Any
 import torch
 
 from ..agent import Agent
-from ..agent.messages import Err
 from ..agent.pool import blocking
 from ..agent.remote_errors import pack_error, rebuild_error
 from ..errors import BackwardStageError, NbrpcError, RpcTimeoutError
 from .context import AutogradContext, Contexts, contexts_of
 from .engine import LocalPass, Outgoing, edge
+from .messages import Abort, Back, Credit, Flush, Grads, GraphQuery
 
 log = logging.getLogger(__name__)
 
 MAX_FLUSH_ROUNDS = 16
 _pass_ids = itertools.count(1)
-
-
-@dataclass(frozen=True, slots=True)
-class Grads:
-    """Gradients for send function ``msg_id`` of context ``ctx_id``, pass ``pass_id``."""
-
-    op = "autograd_grads"
-    ctx_id: int
-    pass_id: tuple[int, int]
-    msg_id: int
-    grads: list
-    retain_graph: bool
-    credit: Fraction = Fraction(0)  # normal mode: this part's share of the pass
-    step: bool = False  # step mode: run the stage, return what it would send
-    origin: int | None = None  # step mode: the worker whose stage produced them
-
-
-@dataclass(frozen=True, slots=True)
-class Flush:
-    op = "autograd_flush"
-    ctx_id: int
-    pass_id: tuple[int, int]
-    retain_graph: bool
-    credit: Fraction = Fraction(0)
-    step: bool = False
-
-
-@dataclass(frozen=True, slots=True)
-class Credit:
-    """To the initiator: a part of the pass is over (``error``: it failed)."""
-
-    op = "autograd_credit"
-    ctx_id: int
-    pass_id: tuple[int, int]
-    credit: Fraction
-    blocked: bool
-    error: Err | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class Back:
-    """The answer to a normal-mode ``Grads`` or ``Flush``: what its stage has for
-    the sender. ``grads``: (send id, gradients, credit share) per send of the
-    sender's; ``credit`` and ``blocked``: the part of the pass returned, when the
-    sender is the initiator (otherwise that goes as :class:`Credit`)."""
-
-    grads: tuple[tuple[int, list, Fraction], ...] = ()
-    credit: Fraction = Fraction(0)
-    blocked: bool = False
-
-
-@dataclass(frozen=True, slots=True)
-class Abort:
-    op = "autograd_abort"
-    ctx_id: int
-    pass_id: tuple[int, int]
-    reason: str
-    told: frozenset[int]
-
-
-@dataclass(frozen=True, slots=True)
-class GraphQuery:
-    op = "autograd_graph"
-    ctx_id: int
 
 
 # -- checks -------------------------------------------------------------------------

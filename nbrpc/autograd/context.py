@@ -31,6 +31,7 @@ import torch
 from ..agent import Agent, Propagator, Wire
 from ..errors import WorkerGoneError
 from .engine import LocalPass, StageRecord, norm
+from .messages import Release
 
 log = logging.getLogger(__name__)
 
@@ -298,15 +299,6 @@ class Contexts(Propagator):
     # -- observability ------------------------------------------------------------------------
     def snapshot(self) -> list[dict[str, Any]]:
         return [ctx.snapshot(self.agent.peer_name) for ctx in list(self.contexts.values())]
-
-
-@dataclass(frozen=True, slots=True)
-class Release:
-    """Forget context ``ctx_id``; ``told``: ranks that were told already."""
-
-    op = "autograd_release"
-    ctx_id: int
-    told: frozenset[int]
 
 
 def contexts_of(agent: Agent) -> Contexts:

@@ -49,7 +49,7 @@ import torch
 from torch.autograd.function import BackwardCFunction
 from torch.autograd.graph import Node, get_gradient_edge
 
-Grads = list  # list[torch.Tensor | None], one per tensor of a message
+GradList = list  # list[torch.Tensor | None], one per tensor of a message
 
 
 class BackwardError(RuntimeError):
@@ -62,7 +62,7 @@ class Outgoing:
 
     peer: int
     msg_id: int
-    grads: Grads
+    grads: GradList
 
 
 @dataclass
@@ -167,7 +167,7 @@ class LocalPass:
         for i, (node, nr) in enumerate(self._roots):
             self._give(node, nr, grads[i] if grads else torch.ones_like(self._root_tensors[i]))
 
-    def receive(self, msg_id: int, grads: Grads) -> None:
+    def receive(self, msg_id: int, grads: GradList) -> None:
         """Gradients for the tensors of send function ``msg_id``."""
         edges = self._sends.get(msg_id)
         if edges is None:

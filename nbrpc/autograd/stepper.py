@@ -16,9 +16,6 @@ from typing import Any
 from .. import views
 from ..agent import Agent, current_agent
 from .backward import (
-    Flush,
-    Grads,
-    GraphQuery,
     _pass_ids,
     abort_everywhere,
     check_context_id,
@@ -27,6 +24,7 @@ from .backward import (
     run_stage,
 )
 from .context import contexts_of
+from .messages import Flush, Grads, GraphQuery
 
 log = logging.getLogger(__name__)
 

@@ -31,6 +31,7 @@ import sys
 import types
 from typing import Any
 
+from ..ipython import is_output_name, user_namespace
 from ..rref import RRef
 from .words import a, plural
 
@@ -52,7 +53,7 @@ class Scope:
     garbage collection."""
 
     def __init__(self) -> None:
-        self.user_ns: dict = getattr(sys.modules.get("__main__"), "__dict__", {})
+        self.user_ns: dict = user_namespace()
         out = self.user_ns.get("Out")
         self.out_hist: dict | None = out if isinstance(out, dict) else None
         self.frames, self.skip = _frames()
@@ -89,12 +90,6 @@ def references(obj: Any, scope: Scope, ignore: tuple = ()) -> list[str]:
     for c in held:
         found += _held(c, obj, places.get(id(c), []))
     return sorted(set(found))
-
-
-def is_output_name(key: Any) -> bool:
-    """``_``, ``__``, ``___`` or ``_12``: IPython's names for earlier outputs."""
-    return isinstance(key, str) and (key in ("_", "__", "___") or (
-        key[:1] == "_" and key[1:].isdigit()))
 
 
 def _direct(ref: Any, obj: Any, scope: Scope) -> list[str]:

@@ -1,40 +1,41 @@
 """The Jupyter layer: magics (``%rpc_cluster``, ``%%rpc_on``), widgets and rich displays.
 
 The only layer that imports IPython, ipywidgets, anywidget or matplotlib.
-Importing it registers its views with :mod:`nbrpc.views`, through which core
-objects find them (``trace.widget()``, ``stepper.widget()``, ``nbrpc.show(x)``);
-each view module is loaded only when its first view is made.
+Importing it registers each view in :data:`VIEWS` with :mod:`nbrpc.views`,
+through which core objects find theirs (``trace.widget()``,
+``stepper.widget()``, ``cluster.widget()``, ``nbrpc.show(x)``). ``%load_ext
+nbrpc`` imports it, and so does the first ``.widget()`` of a process that has
+not (:func:`nbrpc.views.load_display_layer`). The magics and the rich
+displays are registered with IPython's shell by ``%load_ext nbrpc``
+(:func:`.magics.load`).
 """
 
 from __future__ import annotations
 
-import importlib
-from collections.abc import Callable
 from typing import Any
 
 from .. import views
+from .cluster_view import ClusterView
+from .owner_map_view import OwnerMapView
+from .progress import WidgetProgress
+from .rref_graph_view import RRefGraphView
+from .stepper_view import StepperView
+from .trace_view import TraceView
 
-# kind -> (module in this package, the view's class or factory)
+# kind (as the core asks for it) -> the view: Cluster.widget(), debug.RRefGraph.widget(),
+# debug.OwnerMap.widget(), debug.Trace.widget(), BackwardStepper.widget(), and the
+# progress bar of a cluster starting in a kernel (cluster.progress.make_progress)
 VIEWS = {
-    "cluster": ("cluster_view", "ClusterView"),
-    "rref_graph": ("rref_graph_view", "RRefGraphView"),
-    "owner_map": ("owner_map_view", "OwnerMapView"),
-    "trace": ("trace_view", "TraceView"),
-    "stepper": ("stepper_view", "StepperView"),
-    "progress": ("progress", "WidgetProgress"),
+    "cluster": ClusterView,
+    "rref_graph": RRefGraphView,
+    "owner_map": OwnerMapView,
+    "trace": TraceView,
+    "stepper": StepperView,
+    "progress": WidgetProgress,
 }
 
-
-def _lazy(module: str, attr: str) -> Callable[..., Any]:
-    def factory(obj: Any, **options: Any) -> Any:
-        return getattr(importlib.import_module(f"{__name__}.{module}"), attr)(obj, **options)
-
-    factory.__qualname__ = f"{module}.{attr}"
-    return factory
-
-
-for _kind, (_module, _attr) in VIEWS.items():
-    views.register(_kind, _lazy(_module, _attr))
+for _kind, _view in VIEWS.items():
+    views.register(_kind, _view)
 
 
 def __getattr__(name: str) -> Any:
@@ -46,4 +47,5 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-__all__ = ["VIEWS", "ClusterMagics"]
+__all__ = ["VIEWS", "ClusterMagics", "ClusterView", "OwnerMapView", "RRefGraphView",
+           "StepperView", "TraceView", "WidgetProgress"]

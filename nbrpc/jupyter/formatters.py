@@ -4,8 +4,8 @@ Core classes carry no HTML: ``%load_ext nbrpc`` registers a ``text/html``
 formatter for each here (an RRef, a future, a cluster status, a backward
 stepper, an RRef graph, an owner map, a message trace) and ``%unload_ext nbrpc`` removes
 them. A formatter that fails logs why and returns None, so IPython falls
-back to the object's ``text/plain``. Views written by other modules are
-imported only when an object of theirs is first shown.
+back to the object's ``text/plain``. The HTML of the graphs, maps, traces,
+steppers and cluster statuses is their view module's static form.
 
 >>> from IPython.core.interactiveshell import InteractiveShell
 >>> ip = InteractiveShell.instance()
@@ -23,7 +23,6 @@ False
 from __future__ import annotations
 
 import functools
-import importlib
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -35,7 +34,12 @@ from ..cluster.status import ClusterStatus
 from ..debug import OwnerMap, RRefGraph
 from ..debug.trace import Trace
 from ..rref import RRef
+from .cluster_view import cluster_html
+from .owner_map_view import owner_map_html
+from .rref_graph_view import rref_graph_html
+from .stepper_view import stepper_html
 from .svg import esc
+from .trace_view import trace_html
 from .view import varies
 
 log = logging.getLogger(__name__)
@@ -55,21 +59,6 @@ def _safe(fn: Callable[[Any], str | None]) -> Callable[[Any], str | None]:
             return None
 
     return formatter
-
-
-def _lazy(module: str, attr: str) -> Callable[[Any], str | None]:
-    """A formatter whose renderer lives in a view module, imported on first use."""
-
-    def render(obj: Any) -> str | None:
-        try:
-            fn = getattr(importlib.import_module(f"{__package__}.{module}"), attr)
-        except (ImportError, AttributeError) as e:  # that view is not there (yet)
-            log.debug("no %s.%s: %s", module, attr, e)
-            return None
-        return fn(obj)
-
-    render.__name__ = f"{module}.{attr}"
-    return _safe(render)
 
 
 # -- RRefs and futures -----------------------------------------------------------------
@@ -131,21 +120,15 @@ def _pending_call(fut: Any) -> str:
     return ""
 
 
-def status_html(status: ClusterStatus) -> str:
-    from .cluster_view import cluster_html
-
-    return cluster_html(status)
-
-
 # -- the registry --------------------------------------------------------------------------
 FORMATTERS: dict[type, Callable[[Any], str | None]] = {
     RRef: _safe(rref_html),
     _futures.RpcFuture: _safe(future_html),
-    ClusterStatus: _safe(status_html),
-    BackwardStepper: _lazy("stepper_view", "stepper_html"),
-    RRefGraph: _lazy("rref_graph_view", "rref_graph_html"),
-    OwnerMap: _lazy("owner_map_view", "owner_map_html"),
-    Trace: _lazy("trace_view", "trace_html"),
+    ClusterStatus: _safe(cluster_html),
+    BackwardStepper: _safe(stepper_html),
+    RRefGraph: _safe(rref_graph_html),
+    OwnerMap: _safe(owner_map_html),
+    Trace: _safe(trace_html),
 }
 
 

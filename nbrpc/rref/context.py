@@ -3,11 +3,12 @@
 :class:`RRefContext` joins the pure protocol state (:mod:`.state`) to the
 agent. It
 
-* handles the request ``remote`` (on the worker pool: it runs user code),
-  ``rref_fetch`` (inline on the I/O thread: it only looks up the value's
-  future, and the answer goes out when that completes, at once for a ready
-  value) and the protocol messages ``rref_fork``, ``rref_child_accept`` and
-  ``rref_delete`` (inline too: pure bookkeeping, never queued behind user code);
+* handles the requests of :mod:`.messages`: ``remote`` (on the worker pool:
+  it runs user code), ``rref_fetch`` (inline on the I/O thread: it only looks
+  up the value's future, and the answer goes out when that completes, at once
+  for a ready value) and the protocol messages ``rref_fork``,
+  ``rref_child_accept`` and ``rref_delete`` (inline too: pure bookkeeping,
+  never queued behind user code);
 * sends what the state returns, retrying each message (they are idempotent)
   after ``control_retry`` s, doubling, until answered, the peer is gone, or
   ``MAX_ATTEMPTS``; user calls are never retried;
@@ -28,24 +29,14 @@ import time
 import warnings
 import weakref
 from collections import deque
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from ..agent import Agent, Deferred, check_future, detach, is_async, on_done, outcome
-from ..agent.messages import fast_pickle
 from ..errors import NbrpcError, RpcTimeoutError, ShutdownError, WorkerGoneError
-from .state import (
-    CONFIRMED,
-    ChildAccept,
-    Delete,
-    ForkId,
-    ForkRequest,
-    Owned,
-    RRefId,
-    RRefState,
-)
+from .messages import CancelFetch, ChildAccept, Delete, Fetch, ForkRequest, Remote
+from .state import CONFIRMED, ForkId, Owned, RRefId, RRefState
 
 log = logging.getLogger(__name__)
 
@@ -61,40 +52,6 @@ class RRefLeakWarning(ResourceWarning):
     def __init__(self, message: str, rrefs: list[dict[str, Any]]) -> None:
         super().__init__(message)
         self.rrefs = rrefs
-
-
-# -- messages on the pool ----------------------------------------------------------
-@fast_pickle
-@dataclass(frozen=True, slots=True)
-class Remote:
-    op = "remote"
-    fn: Any
-    args: tuple
-    kwargs: dict
-    rref_id: RRefId
-    fork_id: ForkId | None  # None when the caller is the owner itself
-    site: str
-
-
-@fast_pickle
-@dataclass(frozen=True, slots=True)
-class Fetch:
-    op = "rref_fetch"
-    rref_id: RRefId
-    # The caller's fork is not confirmed yet: the owner may see this before the
-    # message creating the value, and then waits (at most ``timeout`` s) for it.
-    may_overtake: bool = False
-    timeout: float = 0.0
-
-
-@fast_pickle
-@dataclass(frozen=True, slots=True)
-class CancelFetch:
-    """The creator learnt its Remote failed: fail what waits for the value."""
-
-    op = "rref_cancel_fetch"
-    rref_id: RRefId
-    reason: str
 
 
 class RRefContext:

@@ -14,7 +14,7 @@
                                              when no fork and no owner RRef remain
 
 Sending an RRef inside arguments or results forks it (see :mod:`.state` for
-the four cases of PyTorch's design note). A user's deletion only queues work
+the four cases of PyTorch's design note; :mod:`.messages` for the messages). A user's deletion only queues work
 for the I/O thread; ``__del__`` does no I/O. The bookkeeping is
 :class:`~nbrpc.rref.state.RRefState`; :class:`~nbrpc.rref.context.RRefContext`
 moves it.
@@ -22,7 +22,6 @@ moves it.
 
 from __future__ import annotations
 
-import sys
 import weakref
 from collections.abc import Callable
 from typing import Any, Generic, TypeVar
@@ -45,8 +44,10 @@ from ..agent import (
 from ..agent.agent import Wire, check_timeout
 from ..agent.wire import named_by
 from ..errors import NbrpcError, WorkerGoneError
-from ..serialize import cell_label, current_context, register_reducer
-from .context import CancelFetch, Fetch, Remote, RRefContext, _settle
+from ..ipython import creation_site
+from ..serialize import current_context, register_reducer
+from .context import RRefContext, _settle
+from .messages import CancelFetch, ChildAccept, Delete, Fetch, ForkRequest, Remote
 from .state import CONFIRMED, PENDING, ForkId, RRefId
 
 T = TypeVar("T")
@@ -58,9 +59,9 @@ def _install(agent: Agent) -> None:
     agent.handlers[Remote.op] = ctx.handle_remote
     agent.handlers[Fetch.op] = ctx.handle_fetch
     agent.handlers[CancelFetch.op] = ctx.handle_cancel_fetch
-    agent.handlers["rref_fork"] = ctx.handle_fork
-    agent.handlers["rref_child_accept"] = ctx.handle_child_accept
-    agent.handlers["rref_delete"] = ctx.handle_delete
+    agent.handlers[ForkRequest.op] = ctx.handle_fork
+    agent.handlers[ChildAccept.op] = ctx.handle_child_accept
+    agent.handlers[Delete.op] = ctx.handle_delete
     agent.gone_hooks.append(ctx.on_member_gone)
     agent.busy_checks.append(ctx.busy)
     agent.shutdown_hooks.append(ctx.on_shutdown)
@@ -68,24 +69,6 @@ def _install(agent: Agent) -> None:
 
 
 register_extension(_install)
-
-
-def _creation_site() -> str:
-    """Where user code made an RRef: ``file:line``, or ``cell In[12], line 3`` for
-    code from a notebook cell: this kernel's (IPython's compiler names each cell's
-    file) or a driver's, for a function it sent by value (its label travels with it).
-
-    IPython's ``execution_count`` is no substitute: it is advanced before a cell
-    runs, and code defined in an earlier cell runs under a later count."""
-    f = sys._getframe(1)
-    while f is not None and f.f_globals.get("__name__", "").partition(".")[0] == "nbrpc":
-        f = f.f_back
-    if f is None:
-        return "?"
-    label = cell_label(f.f_code.co_filename)  # "Cell In[12]", or None for a file
-    if label:
-        return f"cell {label.partition(' ')[2]}, line {f.f_lineno}"
-    return f"{f.f_code.co_filename}:{f.f_lineno}"
 
 
 # -- the RRef object ---------------------------------------------------------------
@@ -116,7 +99,7 @@ class RRef(Generic[T]):
     def __init__(self, value: T, type_hint: Any = None) -> None:
         agent = current_agent("RRef(value)")
         ctx: RRefContext = agent.ext["rref"]
-        entry = self._setup(agent, agent.rank, _creation_site(), ctx.state.new_id())
+        entry = self._setup(agent, agent.rank, creation_site(), ctx.state.new_id())
         entry.value.set_result(value)
         ctx._event("created", self._id, None, agent.rank, "RRef(value)")
 
@@ -440,7 +423,7 @@ def remote(agent: Agent, to: Any, fn: Any, args: tuple, kwargs: dict, timeout: f
     ``keep`` is held until the owner has answered."""
     owner = agent.resolve(to).rank
     ctx: RRefContext = agent.ext["rref"]
-    rref = RRef._new(agent, owner, _creation_site(), ctx.state.new_id())
+    rref = RRef._new(agent, owner, creation_site(), ctx.state.new_id())
     msg = Remote(fn, tuple(args), dict(kwargs), rref._id, rref._fork, rref._site)
     then = None if rref._fork is None else ctx.creation_hook(rref._id, rref._fork, owner)
     try:

@@ -1,10 +1,12 @@
-"""The RRef protocol as plain state: no sockets, no threads, no pickling.
+"""The RRef protocol as plain state: no sockets, no threads of its own, no pickling.
 
 PyTorch's "Remote Reference Protocol", one object per worker. Methods take
 events (an RRef created, sent, received, deleted; a message arrived; a peer
-died) and return ``(rank, message)`` pairs for the caller to send. The
-agent-side glue (:mod:`nbrpc.rref.context`) does the sending and retries;
-here everything is deterministic and unit-tested without a network.
+died) and return ``(rank, message)`` pairs for the caller to send: message
+values (:mod:`.messages`, which also says how they pickle), never bytes. The
+agent-side glue (:mod:`nbrpc.rref.context`) sends them through the agent,
+which pickles them, and retries; here everything is deterministic and
+unit-tested without a network.
 
 Who holds what::
 
@@ -50,7 +52,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from ..agent.messages import fast_pickle
+from .messages import ChildAccept, Delete, ForkRequest
 
 
 class RRefId(NamedTuple):
@@ -72,37 +74,6 @@ class RRefId(NamedTuple):
 
 
 ForkId = RRefId  # a user copy's id has the same shape
-
-
-# -- messages (the agent sends them as requests; the reply is the ack) -----------
-@fast_pickle
-@dataclass(frozen=True, slots=True)
-class ForkRequest:
-    """Receiver of a user→user fork asks the owner to register it."""
-
-    op = "rref_fork"
-    rref_id: RRefId
-    fork_id: ForkId
-
-
-@fast_pickle
-@dataclass(frozen=True, slots=True)
-class ChildAccept:
-    """To the parent: the child fork is known to the owner; stop holding it."""
-
-    op = "rref_child_accept"
-    rref_id: RRefId
-    fork_id: ForkId
-
-
-@fast_pickle
-@dataclass(frozen=True, slots=True)
-class Delete:
-    """A user dropped its fork (G1)."""
-
-    op = "rref_delete"
-    rref_id: RRefId
-    fork_id: ForkId
 
 
 Outbox = list[tuple[int, Any]]
