@@ -7,6 +7,9 @@
   every exit code 0, no segment left in that tmpfs.
 * A SIGKILLed worker's segments are swept by the survivor as soon as it
   notices the death (the killed child is still an unreaped zombie then).
+* A 256 MB segment is reused by the very next write after its receiver drops
+  the tensor (counted, not timed), and a worker's idle segments go back to
+  the system without its transport stopping.
 
 The test process is the driver (rank 0, the coordinator); workers are
 subprocesses that block in ``rpc.shutdown()`` until the driver's own.
@@ -65,9 +68,37 @@ def shm_stats() -> tuple[int, int]:
     return (w.created, w.reused) if w is not None else (0, 0)
 
 
+_kept: list = []
+
+
+def keep(t: torch.Tensor) -> None:
+    """Hold on to a received tensor (and so to its segment) until ``drop``."""
+    _kept.append(t)
+
+
+def drop() -> None:
+    _kept.clear()
+
+
+def retain_for(idle_s: float, every_s: float) -> None:
+    """Have this process's writer give back segments idle for ``idle_s``."""
+    shm.KEEP_IDLE_S, shm.TRIM_EVERY_S = idle_s, every_s
+
+
 # -- helpers --------------------------------------------------------------------------
 def _segments_of(pid_: int) -> list[str]:
-    return [f for f in os.listdir(shm.SHM_DIR) if f.startswith(f"nbrpc-{pid_}-")]
+    """The segment files of process ``pid_``, in its directories in /dev/shm."""
+    found = []
+    for entry in os.listdir(shm.SHM_DIR):
+        path = os.path.join(shm.SHM_DIR, entry)
+        if entry.startswith(f"nbrpc-{pid_}-"):
+            try:
+                found += [f"{entry}/{f}" for f in os.listdir(path)]
+            except NotADirectoryError:
+                found.append(entry)
+            except FileNotFoundError:
+                pass
+    return found
 
 
 # -- a. 2 GB round trips ----------------------------------------------------------------
@@ -145,7 +176,8 @@ def test_a_64mb_dev_shm_sends_256mb_by_socket_and_nobody_dies() -> None:
         pytest.skip("no unshare(1)")
     if out.returncode == 77 or "unshare failed" in out.stderr:
         pytest.skip(f"cannot mount a tmpfs in a mount namespace: {out.stderr.strip()}")
-    # the old code died here of SIGBUS (exit -7) copying past the 64 MB of the tmpfs
+    # a segment only ftruncated (sparse) would die here of SIGBUS (exit -7), copying
+    # past the 64 MB of the tmpfs; posix_fallocate makes it ENOSPC, sent by socket
     assert out.returncode == 0, f"exit {out.returncode}\n{out.stdout}\n{out.stderr[-3000:]}"
     line = next(s for s in out.stdout.splitlines() if s.startswith("RESULT "))
     res = json.loads(line.removeprefix("RESULT "))
@@ -182,3 +214,54 @@ def test_a_killed_workers_segments_are_swept_when_its_death_is_noticed() -> None
         assert held.eq(1.0).all()  # a swept segment's map stays valid
     finally:
         finish(procs, killed)
+
+
+# -- d. reuse right after a drop, and idle segments given back --------------------------
+def test_a_256mb_segment_is_reused_as_soon_as_its_receiver_drops_it() -> None:
+    (port,) = free_ports(1)
+    procs = [spawn("worker1", 1, 2, port)]
+    try:
+        join("driver", 0, 2, port)
+        x = torch.arange(64 << 20, dtype=torch.float32)  # 256 MiB
+        took = []
+        for _ in range(3):
+            t0 = time.monotonic()
+            rpc.rpc_sync("worker1", keep, args=(x,), timeout=60)
+            took.append(time.monotonic() - t0)
+            rpc.rpc_sync("worker1", drop)  # handed back before this answer leaves worker1
+        created, reused = shm_stats()
+        print(f"\n256 MiB to a worker that keeps it, then drops it: "
+              f"{', '.join(f'{s:.3f}' for s in took)} s; driver's segments: {created} "
+              f"created, {reused} reused")
+        assert (created, reused) == (1, 2)  # one segment: its pages written, never re-made
+        for _ in range(3):  # echoed: the worker answers before it lets go of the request
+            y = rpc.rpc_sync("worker1", echo, args=(x,), timeout=60)
+            assert torch.equal(y[:: 1 << 20], x[:: 1 << 20])
+            del y
+        created, reused = shm_stats()
+        w_created, w_reused = rpc.rpc_sync("worker1", shm_stats)
+        print(f"after 3 echoes: driver {created} created, {reused} reused; "
+              f"worker {w_created} created, {w_reused} reused")
+        assert (w_created, w_reused) == (1, 2)
+        assert created == 1 and reused == 5
+    finally:
+        finish(procs)
+
+
+def test_an_idle_workers_segments_go_back_before_it_stops() -> None:
+    (port,) = free_ports(1)
+    procs = [spawn("worker1", 1, 2, port)]
+    try:
+        join("driver", 0, 2, port)
+        wpid = rpc.rpc_sync("worker1", pid)
+        rpc.rpc_sync("worker1", retain_for, args=(0.3, 0.1))
+        z = rpc.rpc_sync("worker1", make, args=(8 << 20, 1.0))
+        assert len(_segments_of(wpid)) == 1
+        del z  # free now: kept for reuse while worker1 keeps writing, not for ever
+        t0 = time.monotonic()
+        poll_or_fail(lambda: not _segments_of(wpid), 10,
+                     lambda: f"worker1's idle segments {_segments_of(wpid)} to go")
+        print(f"\nan idle 8 MiB segment went back {time.monotonic() - t0:.2f} s after its drop")
+        assert rpc.rpc_sync("worker1", make, args=(8 << 20, 2.0)).eq(2.0).all()  # still works
+    finally:
+        finish(procs)

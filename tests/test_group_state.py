@@ -183,3 +183,77 @@ def test_the_member_table_follows_renames_restarts_and_departures() -> None:
     assert t.gone_why(1) is None and t.resolve("b2").address.endswith(":4") and len(t) == 2
     with pytest.raises(TypeError, match="a worker name, a rank or a WorkerInfo"):
         t.resolve(1.5)
+
+
+def test_a_member_back_after_a_partition_lets_the_drain_agree_despite_lost_requests() -> None:
+    """Rank 2 was cut off and declared dead, then taken back: 3 of the driver's
+    requests to it were lost (never served) and 1 of its own to rank 1 too.
+    Pairs with rank 2 need only hold still for two rounds; the others balance."""
+    c = _static(3)
+    c.on_leave(2, dead=True)
+    c.on_join(Join(m("w2", 2), 3))  # taken back
+    assert c.broken == {2}
+    reports = {0: DrainReport(0, 0, {1: 4, 2: 7}, {1: 2}),
+               1: DrainReport(0, 0, {0: 2}, {0: 4, 2: 5}),
+               2: DrainReport(0, 0, {1: 6}, {0: 4})}
+
+    def round_(rnd: int, reps: dict) -> bool:
+        out = []
+        for r, rep in reps.items():
+            out = c.on_drain_report(r, DrainReport(rnd, rep.active, rep.sent, rep.served))
+        return out[0][1].done
+
+    assert not round_(0, reports)  # quiet: first round
+    assert round_(1, reports)  # unchanged: done, although 7 != 4 and 6 != 5
+    moved = {**reports, 2: DrainReport(0, 0, {1: 6}, {0: 5})}  # rank 2 served one more
+    assert not round_(2, moved) and round_(3, moved)
+    # the pairs without rank 2 must still balance
+    unbalanced = {**reports, 1: DrainReport(0, 0, {0: 2}, {0: 3, 2: 5})}
+    assert not round_(4, unbalanced) and not round_(5, unbalanced)
+
+
+def test_a_member_that_gave_up_on_the_coordinator_rejoins_and_its_pairs_are_held() -> None:
+    """A member that declared the coordinator dead (its calls to it failed) and
+    joins again while still listed is answered, and its pairs stop balancing."""
+    c = _static(3)
+    assert c.broken == set()
+    out = c.on_join(Join(m("w1", 1), 3))
+    assert out == [(1, Members(c.table()))] and c.broken == {1}
+    c.on_drain_report(0, DrainReport(0, 0, {1: 3}, {}))
+    c.on_drain_report(1, DrainReport(0, 0, {}, {0: 2}))  # one request lost
+    assert not c.on_drain_report(2, DrainReport(0, 0, {}, {}))[0][1].done
+    c.on_drain_report(0, DrainReport(1, 0, {1: 3}, {}))
+    c.on_drain_report(1, DrainReport(1, 0, {}, {0: 2}))
+    assert c.on_drain_report(2, DrainReport(1, 0, {}, {}))[0][1].done
+
+
+def test_a_down_link_comes_due_when_the_link_rule_would_expire_it() -> None:
+    c = _static(3)
+    c.watch_all(10.0)
+    assert c.link_due(1.0, {1: None, 2: None}) is None  # every link up
+    down = {1: 12.0, 2: None}
+    c.heard_from(1, 12.4)  # heard after its link went down: due a second after that
+    assert c.link_due(1.0, down) == 13.4
+    assert c.expired(13.4, 30.0, 1.0, down) == [] and c.expired(13.41, 30.0, 1.0, down) == [1]
+    down[2] = 11.5  # silent since 10.0, its link down since 11.5: due first
+    assert c.link_due(1.0, down) == 12.5 and c.expired(12.51, 30.0, 1.0, down) == [2]
+
+
+def test_every_answer_to_a_join_names_the_incarnation_it_answers() -> None:
+    """A member takes the member table only from an answer that names its own
+    (random) incarnation, so that an answer recorded in another run, or sent
+    to another member, is refused (see Control._of_this_run)."""
+    def inc(name: str, rank: int) -> Member:
+        return Member(name, rank, f"tcp://127.0.0.1:{5000 + rank}", incarnation=100 + rank)
+
+    c = Coordinator(2)
+    c.on_join(Join(inc("a", 0), 2))
+    out = c.on_join(Join(inc("b", 1), 2))
+    assert {r: msg.to for r, msg in out} == {0: 100, 1: 101}
+    assert c.on_join(Join(inc("b", 1), 2)) == [(1, Members(c.table(), to=101))]  # a rejoin
+    refused = c.on_join(Join(Member("b", 1, "tcp://127.0.0.1:9", incarnation=7), 2))
+    assert refused[0] == (1, Members((), refused[0][1].error, 7)) and refused[0][1].error
+
+    d = Coordinator(None)  # dynamic
+    d.on_join(Join(inc("a", 0), None))
+    assert [(r, msg.to) for r, msg in d.on_join(Join(inc("b", 1), None))] == [(1, 101)]

@@ -516,7 +516,8 @@ def test_a_signed_but_broken_message_does_not_stop_the_agent(trio) -> None:
     a, b, _ = trio
     with intruder(b.address, b._key) as s:
         before = b.io.recv_msgs
-        s.send_multipart(pack(b._key, CONTROL, 0, 0, b"\x80\x05not a pickle"))
+        s.send_multipart(pack(b._key, CONTROL, 0, 0, b"\x80\x05not a pickle", dest=b.rank,
+                              run=b.io.run))
         assert poll_for(lambda: b.io.recv_msgs == before + 1)
     assert b.io._thread.is_alive()
     assert a.rpc_async("b", add, (20, 22)).wait() == 42

@@ -112,11 +112,11 @@ def test_messages_to_a_peer_whose_address_is_not_known_yet_wait_and_keep_their_o
 
 
 # -- peers on the same host: a Unix domain socket ------------------------------------
-def _pair(ipc: bool = True) -> tuple[IOLoop, IOLoop, list]:
+def _pair(ipc: bool = True, encrypt: bool = False) -> tuple[IOLoop, IOLoop, list]:
     key = new_key()
     got: list = []
-    a = IOLoop(key, 0, lambda env: None, name="nbrpc-io-test-a", ipc=ipc)
-    b = IOLoop(key, 1, got.append, name="nbrpc-io-test-b", ipc=ipc)
+    a = IOLoop(key, 0, lambda env: None, name="nbrpc-io-test-a", ipc=ipc, encrypt=encrypt)
+    b = IOLoop(key, 1, got.append, name="nbrpc-io-test-b", ipc=ipc, encrypt=encrypt)
     for loop in (a, b):
         loop.bind()
         loop.start()
@@ -155,12 +155,32 @@ def test_other_host_or_no_ipc_uses_tcp(case: str) -> None:
         if case == "other host":  # another kernel: the path means nothing there
             published = "another-host@" + b.local_address.partition("@")[2]
         else:
-            assert b.local_address is None and b._ipc_dir is None
-            published = None
+            assert b.local_address == local.host_identity() + "@" and b._ipc_dir is None
+            published = b.local_address  # (same host and user: shared memory, no socket)
         a.set_address(1, b.address, published)
         a.send(1, 0, 1, b"x")
         assert poll_for(lambda: got, timeout=5)
         assert _endpoint(a, 1).startswith("tcp://")
+        assert a._is_local(1) == (case == "ipc off")
+    finally:
+        a.stop()
+        b.stop()
+
+
+def test_a_peer_of_another_user_gets_neither_unix_socket_nor_shared_memory() -> None:
+    """Two users who share a key: the other's 0700 socket directory and 0600
+    segments are out of reach, so its peer publishes another identity and is
+    reached over TCP, with every byte by socket."""
+    a, b, got = _pair()
+    try:
+        identity, _, endpoint = b.local_address.partition("@")
+        assert identity.endswith(f":{os.geteuid()}")
+        other_user = identity.rpartition(":")[0] + f":{os.geteuid() + 1}"
+        a.set_address(1, b.address, f"{other_user}@{endpoint}")
+        a.send(1, 0, 1, b"x", [bytes(4 << 20)])
+        assert poll_for(lambda: got, timeout=5)
+        assert _endpoint(a, 1).startswith("tcp://") and not a._is_local(1)
+        assert not got[0].flags & 1  # (frames.FLAG_SHM: no segment named)
     finally:
         a.stop()
         b.stop()
@@ -196,3 +216,82 @@ def test_a_cancelled_timer_lets_go_of_its_arguments_at_once() -> None:
     timers.cancel(handle)
     gc.collect()
     assert alive() is None and len(timers) == 1  # (the entry itself waits for its time)
+
+
+# -- tcp://: no frame over CHUNK ------------------------------------------------------
+@pytest.mark.parametrize("encrypt", [False, True], ids=["plain", "curve"])
+def test_large_frames_cross_tcp_in_parts_and_arrive_whole(encrypt: bool) -> None:
+    """A head and buffers larger than frames.CHUNK cross a tcp:// connection cut
+    into parts (the receiver's frame cap is about CHUNK) and arrive intact and
+    writable, in the clear and with CURVE (which adds to each frame)."""
+    from nbrpc.transport import frames
+
+    a, b, got = _pair(ipc=False, encrypt=encrypt)
+    a._shm = None  # (shared memory off: every byte crosses the socket)
+    try:
+        a.set_address(1, b.address)
+        payload = bytes(range(256)) * (frames.CHUNK // 128 + 3)  # a head > CHUNK
+        buffers = [os.urandom(3 * frames.CHUNK + 5), b"", os.urandom(100)]
+        a.send(1, 0, 1, payload, buffers)
+        a.send(1, 0, 2, b"small", [b"x"])  # unsplit, after it
+        assert poll_for(lambda: len(got) == 2, timeout=10), b.dropped
+        env = got[0]
+        assert bytes(env.payload) == payload
+        assert [bytes(x) for x in env.buffers] == buffers
+        assert memoryview(env.buffers[0]).readonly is False  # (torch tensors over it)
+        assert got[1].msg_id == 2 and not b.dropped
+        assert _endpoint(a, 1).startswith("tcp://")
+    finally:
+        a.stop()
+        b.stop()
+
+
+def test_parts_that_do_not_fit_their_layout_are_dropped_and_the_stream_goes_on() -> None:
+    import struct
+
+    from conftest import intruder
+
+    from nbrpc.transport import frames
+
+    a, b, got = _pair(ipc=False)
+    try:
+        n = struct.Struct("<Q")
+        with intruder(b.address, b._key) as s:  # (a peer with the token: past the handshake)
+            s.send_multipart([b"", n.pack(10), b"x" * 4])  # fewer bytes than declared
+            s.send_multipart([b"", n.pack(3), b"abcd"])  # a part larger than its frame
+            s.send_multipart([b"", n.pack(2), b"ab", b"cd"])  # more parts than declared
+            s.send_multipart([b"", b"abc"])  # a layout that is not <Q lengths
+            s.send_multipart([b""])  # no layout at all
+            s.send_multipart([b"", n.pack(1 << 40), b"x"])  # more than the receiver takes
+            s.send_multipart(frames.split([b"not a message" * 30000]))  # whole, then refused
+            assert poll_for(lambda: sum(b.dropped.values()) == 7, timeout=5), b.dropped
+        assert b.dropped == {"framing": 6, "too large": 1}
+        a.set_address(1, b.address)
+        a.send(1, 0, 3, b"after")
+        assert poll_for(lambda: got, timeout=5) and got[0].msg_id == 3
+    finally:
+        a.stop()
+        b.stop()
+
+
+def test_a_message_for_another_member_or_run_is_refused() -> None:
+    """Signed with the group's key, but for rank 2, or for another run of the
+    group: refused and counted before anything of it is read."""
+    a, b, got = _pair(ipc=False)
+    try:
+        a.set_address(1, b.address)
+        a.set_address(2, b.address)  # (what a recorded message to rank 2 looks like to b)
+        b.run = a.run = 7
+        a.send(2, 0, 1, b"for rank 2")
+        a.run = 8
+        a.send(1, 0, 2, b"of run 8")
+        a.run = 0
+        a.send(1, 0, 3, b"of no run yet (a joiner): the agent decides")
+        a.run = 7
+        a.send(1, 0, 4, b"this run")
+        assert poll_for(lambda: len(got) == 2, timeout=5)
+        assert [e.msg_id for e in got] == [3, 4] and [e.run for e in got] == [0, 7]
+        assert b.dropped == {"wrong destination": 1, "wrong run": 1}
+    finally:
+        a.stop()
+        b.stop()

@@ -176,17 +176,20 @@ def test_drops_are_counted_by_reason_and_logged_once_per_interval(trio, caplog) 
     with intruder(b.address, b._key) as s:  # past the handshake, but signing with another key
         for i in range(50):
             s.send_multipart(pack(new_key(), 1, 0, i, b"x"))
-        recorded = pack(b._key, 3, 0, 0, b"\x80\x05N.", incarnation=99, seq=5)
+        to_b = {"dest": b.rank, "run": b.io.run}  # (for b, in this run: checked further on)
+        recorded = pack(b._key, 3, 0, 0, b"\x80\x05N.", incarnation=99, seq=5, **to_b)
         s.send_multipart(recorded)
         s.send_multipart(recorded)  # played back
         stale = pack(b._key, 3, 0, 0, b"\x80\x05N.", incarnation=99, seq=6,
-                     sent_at=time.time() - 3600)
+                     sent_at=time.time() - 3600, **to_b)
         s.send_multipart(stale)
         assert poll_for(lambda: sum(b.io.dropped.values()) == 52)
     with intruder(b.address, b._key) as s:  # signed, but nothing b can act on
-        s.send_multipart(pack(b._key, 99, 0, 0, b"", incarnation=98, seq=1))
-        s.send_multipart(pack(b._key, 1, 0, 0, b"", [ShmRef("nbrpc-1-00-0", 4 << 20)],
-                              incarnation=98, seq=2))
+        s.send_multipart(pack(b._key, 99, 0, 0, b"", incarnation=98, seq=1, **to_b))
+        # (a CONTROL message: a request would be answered, and a's count of
+        # requests sent would never match b's of requests served)
+        s.send_multipart(pack(b._key, 3, 0, 0, b"", [ShmRef("nbrpc-1-00-0", 4 << 20)],
+                              incarnation=98, seq=2, **to_b))
         assert poll_for(lambda: sum(b.io.dropped.values()) == 54)
     assert b.snapshot()["counters"]["dropped"] == {"bad signature": 50, "replayed": 1,
                                                    "stale": 1, "unknown kind": 1,

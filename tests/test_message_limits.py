@@ -61,3 +61,28 @@ def test_under_the_limit_everything_goes_as_usual(group) -> None:
     half = torch.zeros((1 << 19) // 4)  # 512 KiB: fits b's 1 MiB
     assert torch.equal(a.rpc_sync("b", echo, (half,)), half)
     assert b.rpc_sync("a", torch.numel, (BIG,)) == BIG.numel()  # a takes up to 4 GiB
+
+
+def test_a_request_whose_segment_cannot_be_read_fails_on_the_caller_at_once(monkeypatch) -> None:
+    """The callee drops a signed request whose shared-memory buffer it cannot
+    open (here: the read fails as if the segment were gone); it answers with
+    why, and the caller raises at once instead of waiting out its 30 s."""
+    import time
+
+    from nbrpc.errors import SerializationError
+    from nbrpc.transport import shm
+
+    def unreadable(name, nbytes, *rest):
+        raise OSError(2, "No such file or directory", name)
+
+    with local_group(["a", "b"], rpc_timeout=30) as (a, b):
+        monkeypatch.setattr(shm, "read", unreadable)
+        for call in (lambda: a.rpc_sync("b", echo, (BIG,)),
+                     lambda: a.rpc_async("b", echo, (BIG,)).wait()):
+            t0 = time.monotonic()
+            with pytest.raises(SerializationError, match="could not read a request from 'a'"):
+                call()
+            assert time.monotonic() - t0 < 10
+        assert b.io.dropped["unreadable segment"] == 2
+        monkeypatch.undo()
+        assert torch.equal(a.rpc_sync("b", echo, (BIG,)), BIG)

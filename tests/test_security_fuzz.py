@@ -80,8 +80,8 @@ def _malformed_signed(key: bytes, rng: random.Random) -> list:
         tail = struct.pack("<Q", 1 << 40) * max(n, 1)
         n = max(n, 1)
     version = fr.VERSION + 1 if bad == "version" else fr.VERSION
-    header = fr._FIXED.pack(version, kind, flags, 0, 1, n, fr._FIXED.size + len(tail),
-                            rng.getrandbits(63), 1, time.time()) + tail
+    header = fr._FIXED.pack(version, kind, flags, 0, 1, 1, n, fr._FIXED.size + len(tail),
+                            rng.getrandbits(63), 0, 1, time.time()) + tail
     body = header + EVIL
     buffers = [bytes(x) for x in lengths]
     if bad == "count":
@@ -134,11 +134,12 @@ def test_hostile_input_is_dropped_unread_and_costs_nothing_lasting() -> None:
                 sent += 1
             # replays of a real (harmless) control message, and a stale one
             beat, _ = pickle.dumps(Heartbeat(), protocol=5), None
-            recorded = pack(b._key, CONTROL, 0, 0, beat, incarnation=5, seq=1)
+            to_b = {"dest": b.rank, "run": b.io.run}
+            recorded = pack(b._key, CONTROL, 0, 0, beat, incarnation=5, seq=1, **to_b)
             for _ in range(11):
                 sock.send_multipart(recorded)
             sock.send_multipart(pack(b._key, CONTROL, 0, 0, beat, incarnation=5, seq=2,
-                                     sent_at=time.time() - 3600))
+                                     sent_at=time.time() - 3600, **to_b))
             accounted = lambda: sum(b.io.dropped.values())  # noqa: E731
             assert poll_for(lambda: accounted() >= sent + 11, timeout=60), (
                 accounted(), sent, dict(b.io.dropped))
@@ -147,8 +148,8 @@ def test_hostile_input_is_dropped_unread_and_costs_nothing_lasting() -> None:
             t1 = time.perf_counter()
             big = bytes(32 << 20)
             before = accounted()
-            for _ in range(60):
-                sock.send_multipart([big])
+            for _ in range(60):  # (cut into parts as on the wire: no tcp:// frame over CHUNK)
+                sock.send_multipart(fr.split([big]))
             during = []
             for _ in range(5):  # the group answers while the flood arrives
                 s0 = time.perf_counter()
@@ -156,8 +157,8 @@ def test_hostile_input_is_dropped_unread_and_costs_nothing_lasting() -> None:
                 during.append(time.perf_counter() - s0)
             assert poll_for(lambda: accounted() >= before + 60, timeout=30)
             flood_s = time.perf_counter() - t1
-            # a frame above the maximum message size: libzmq refuses it unread and
-            # drops that connection (the counters never see it)
+            # a frame above the largest one tcp:// carries (frames.CHUNK): libzmq
+            # refuses it unread and drops that connection (the counters never see it)
             sock.send_multipart([bytes(80 << 20)])
         finally:
             sock.close()

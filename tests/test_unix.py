@@ -273,7 +273,7 @@ def test_a_message_a_sender_appends_to_a_connection_just_dropped_goes_on_the_new
         taken = a._dealers[1]  # the sender has it ...
         a.set_address(1, b.address, b.local_address)  # ... the redial drops it ...
         assert poll_for(lambda: taken.dropped and taken.sock.closed, timeout=5)
-        frames = pack(a._key, 0, 0, 2, b"late", [])
+        frames = pack(a._key, 0, 0, 2, b"late", [], dest=1)
         taken.queue.append((frames, sum(len(f) for f in frames), 2))  # ... then it sends
         taken.flush()
         assert poll_for(lambda: len(got) == 2, timeout=5), got

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import secrets
 import threading
 import time
 from collections import Counter, OrderedDict
@@ -118,11 +119,14 @@ class Agent(Caller, Callee, Control, Shutdown):
                          max_age=opts.max_message_age, encrypt=opts.encrypt,
                          ipc=opts.local_ipc)
         self.address = self.io.bind(opts.host, opts.port)
+        self.io.on_unread = self._unreadable
         if self.io.channels is not None:  # (threads that serve a caller's own channel)
             self.io.channels.on_thread_start = self._adopt_thread
             self.io.channels.limit = opts.num_worker_threads
         self._member = Member(name, rank, self.address, self.io.local_address, opts.devices,
-                              opts.max_message_size)
+                              opts.max_message_size, self.io.incarnation)
+        if rank == 0:  # the coordinator draws the run every message of the group is signed for
+            self.io.run = secrets.randbits(63) or 1
         self.device_plan = devices.DevicePlan()  # set once the members are known
         self.pool = WorkerPool(opts.num_worker_threads, f"nbrpc-worker[{name}]",
                                self._adopt_thread, self.io.call_later)

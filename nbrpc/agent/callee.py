@@ -41,6 +41,8 @@ class Callee:
 
     def _on_message(self, env: Envelope) -> None:
         kind = env.kind
+        if env.run != self.io.run and not self._before_run(env):
+            return
         if kind == RESPONSE:
             self._complete(env)
         elif kind in (REQUEST, INLINE) and self.state == "joining":
@@ -60,6 +62,29 @@ class Callee:
             self._on_control(env)
         else:
             self.io.note_drop("unknown kind", f"kind {kind} from rank {env.sender}")
+
+    def _before_run(self, env: Envelope) -> bool:
+        """May ``env``, of another run than this agent's (the transport let it
+        through because one of the two is not known yet: 0), go on? A joiner's
+        Join and the answer to it do (the control handler checks which), and
+        requests that reach a joiner are held until it knows the run (then
+        looked at again); the rest is refused as a recorded message."""
+        if env.kind == CONTROL or (self.io.run == 0 and env.kind in (REQUEST, INLINE)):
+            return True
+        self.io.note_drop("wrong run", f"kind {env.kind} from rank {env.sender}, run "
+                                       f"{env.run:x} (this is run {self.io.run:x})")
+        return False
+
+    def _unreadable(self, env: Envelope, why: str) -> None:
+        """The transport could not read a signed request (``why``): answer it
+        with that reason, so that its caller raises at once (and undoes what
+        the request carried) instead of waiting out its timeout."""
+        if env.kind not in (REQUEST, INLINE) or env.run != self.io.run:
+            return
+        e = SerializationError(f"{self.name!r} could not read a request from "
+                               f"{self.peer_name(env.sender)!r}: {why}")
+        self._reply(env, dataclasses.replace(pack_error(e, self.name), unread=True), "?",
+                    time.perf_counter())
 
     def _serve(self, env: Envelope) -> None:
         __tracebackhide__ = True  # (left out of the traceback sent back)

@@ -19,17 +19,30 @@ each worker, once it has no outgoing call in flight, reports ``active``,
 nobody is active, every request sent has been served, and the sums did not
 move between the rounds (so no call slipped in between the reports). Counts
 are per peer, and only pairs of current members are summed, so a member that
-died with calls in flight does not keep the rest from agreeing.
+died with calls in flight does not keep the rest from agreeing. A member
+that was dropped and came back (taken back, or rejoining a coordinator it
+gave up on) may have lost requests in either direction, which will never be
+served: the pairs it is part of need only hold still for two rounds, not
+balance.
 
-Failure detection tells *gone* from *busy*. A process that exits (or is
-killed) has its connections closed by the kernel, which the transport sees at
-once: a member whose link is down and who has been silent for
-``link_timeout`` (1 s) is dead. A process that is busy (a C call holding the
-GIL), swapping or stopped keeps its connections, and is declared dead only
-after ``failure_timeout`` (30 s) without a heartbeat — the case of a host that
-vanished from the network. A member declared dead that is heard from again
-(its heartbeat names it) is taken back, as a re-join: wrong suspicion costs
-the calls that failed meanwhile, never the membership.
+Failure detection tells *gone* from *busy* by what the kernels say, since
+they answer whatever the process does. A process that exits (or is killed)
+has its connections closed by its kernel. A host that vanishes (power loss, a
+network partition, a frozen VM) stops acknowledging what is sent to it, and
+the transport closes a TCP connection whose data stays unacknowledged for a
+second (``TCP_USER_TIMEOUT``; heartbeats keep data in flight). Either way the
+link goes down: a member whose link has been down for ``link_timeout`` (1 s)
+and who has been silent as long is dead. A process that is busy (a C call
+holding the GIL), swapping or stopped keeps its connections acknowledged by
+its kernel (a stopped one that more is sent to than its socket takes has
+that connection closed, but its kernel answers the redial at once: its link
+is not down long enough to count), and is declared dead only after
+``failure_timeout`` (30 s)
+without a heartbeat: the rule for what the kernels cannot show, such as a
+host behind a proxy that acknowledges for it. A member declared dead that is
+heard from again (its heartbeat names it, or it asks to join again) is taken
+back, as a re-join: wrong suspicion costs the calls that failed meanwhile,
+never the membership.
 """
 
 from __future__ import annotations
@@ -100,8 +113,11 @@ class Coordinator:
         self.members: dict[int, Member] = {}
         self.last_seen: dict[int, float] = {}  # rank -> monotonic time last heard
         self.left: set[int] = set()  # ranks that left on purpose (not taken back by heartbeat)
+        # ranks dropped (or that thought they were) and back: requests to or from
+        # them may have been lost, so their pairs' counts need not balance
+        self.broken: set[int] = set()
         self._reports: dict[int, dict[int, DrainReport]] = {}
-        self._last_sums: tuple[int, int] | None = None
+        self._last_counts: tuple | None = None  # the last quiet round's counts
         self.formed = world_size is None  # a static group once all had joined
         # A static group that cannot form (a joiner was refused before it formed):
         # why, and the ranks told so. Every later joiner is told too, so that every
@@ -122,17 +138,21 @@ class Coordinator:
         m = join.member
         if self.failed is not None:
             self.told.add(m.rank)
-            return [(m.rank, Members((), self.failed))]
+            return [(m.rank, Members((), self.failed, m.incarnation))]
         self.left.discard(m.rank)
         if self.members.get(m.rank) == m:  # a member that thought it was dropped
-            return [(m.rank, Members(self.table()))] if self.complete else []
+            if not self.complete:
+                return []
+            self.broken.add(m.rank)  # (it failed its calls to the coordinator)
+            return [(m.rank, Members(self.table(), to=m.incarnation))]
         error = self._check(m, join.world_size)
         if error:
-            out: Outbox = [(m.rank, Members((), error))]
+            out: Outbox = [(m.rank, Members((), error, m.incarnation))]
             if self.world_size is not None and not self.formed:
                 self.failed = f"a worker tried to join and was refused: {error}"
                 self.told |= {m.rank, *self.members}
-                out += [(r, Members((), self.failed)) for r in self.members]
+                out += [(r, Members((), self.failed, self.members[r].incarnation))
+                        for r in self.members]
             return out
         rejoin = self.members.get(m.rank)
         self.members[m.rank] = m
@@ -142,8 +162,8 @@ class Coordinator:
             if not self.complete:
                 return []
             table = self.table()
-            return [(r, Members(table)) for r in self.members]
-        out = [(m.rank, Members(self.table()))]
+            return [(r, Members(table, to=self.members[r].incarnation)) for r in self.members]
+        out = [(m.rank, Members(self.table(), to=m.incarnation))]
         if rejoin is None or rejoin != m:
             out += [(r, MemberJoined(m)) for r in self.members if r not in (m.rank, 0)]
         return out
@@ -177,6 +197,7 @@ class Coordinator:
         if self.members.pop(rank, None) is None:
             return []
         self.last_seen.pop(rank, None)
+        self.broken.add(rank)  # (if it comes back)
         if not dead:
             self.left.add(rank)
         out: Outbox = [(r, MemberLeft(rank, dead, why)) for r in self.members if r != 0]
@@ -217,6 +238,18 @@ class Coordinator:
                 out.append(r)
         return sorted(out)
 
+    def link_due(self, link_timeout: float, down: dict[int, float | None]) -> float | None:
+        """When the link rule of :meth:`expired` next comes due for a member
+        whose link is down (down and silent for ``link_timeout``), or None.
+
+        >>> c = Coordinator(None); c.members = {1: None, 2: None}; c.watch_all(0.0)
+        >>> c.heard_from(1, 3.5); c.link_due(1.0, {1: 3.0, 2: None})
+        4.5
+        """
+        due = [max(since, self.last_seen[r]) + link_timeout for r, since in down.items()
+               if since is not None and r in self.last_seen and r != 0]
+        return min(due, default=None)
+
     def readmits(self, rank: int) -> bool:
         """Whether a heartbeat from ``rank`` (not a member) takes it back: it was
         dropped as dead, not after leaving on purpose."""
@@ -232,12 +265,22 @@ class Coordinator:
         if not set(self.members) <= set(got):
             return []
         del self._reports[rnd]
-        ranks = set(self.members)
+        ranks, broken = set(self.members), self.broken
         got = {r: rep for r, rep in got.items() if r in ranks}
-        sums = (sum(n for rep in got.values() for p, n in rep.sent.items() if p in ranks),
-                sum(n for rep in got.values() for p, n in rep.served.items() if p in ranks))
+        sums = [0, 0]  # requests sent and served between members never dropped
+        held = []  # the counts of pairs with a member that came back
+        for r, rep in sorted(got.items()):
+            for i, counts in enumerate((rep.sent, rep.served)):
+                for p, n in sorted(counts.items()):
+                    if p not in ranks:
+                        continue
+                    if r in broken or p in broken:
+                        held.append((r, i, p, n))
+                    else:
+                        sums[i] += n
         quiet = all(rep.active == 0 for rep in got.values()) and sums[0] == sums[1]
-        done = quiet and sums == self._last_sums
-        self._last_sums = sums if quiet else None
+        counts = (sums[0], sums[1], tuple(held))
+        done = quiet and counts == self._last_counts
+        self._last_counts = counts if quiet else None
         verdict = DrainVerdict(rnd, done)
         return [(r, verdict) for r in self.members]

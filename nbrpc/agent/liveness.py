@@ -5,8 +5,11 @@ membership (join, members, joined, left), heartbeats and the shutdown rounds;
 their handlers never block and never run user code. Every heartbeat interval
 :meth:`Control._tick` sends heartbeats and, on the coordinator, asks the
 :class:`~.group.Coordinator` whom to declare dead: a member whose connection
-closed after ``link_timeout``, one that is only silent after
-``failure_timeout``. A member wrongly declared dead is taken back when heard.
+closed (its process exited, or its host stopped acknowledging) after
+``link_timeout``, one that is only silent after ``failure_timeout``. A member
+wrongly declared dead is taken back when heard; a member that gave up on its
+coordinator asks to join again at once, so that a partition that heals heals
+the group too (both sides gave up on each other; nobody else would call).
 """
 
 from __future__ import annotations
@@ -42,6 +45,8 @@ class Control:
     def _on_control(self, env: Envelope) -> None:
         msg = loads(env.payload, env.buffers)
         t = type(msg)
+        if not self._of_this_run(env, msg):
+            return
         now = time.monotonic()
         if env.sender == 0:
             self._coordinator_seen = now
@@ -55,7 +60,12 @@ class Control:
             if msg.error:
                 self._join_error = msg.error
             else:
+                back = self._coordinator is None and self.state == "ready" and 0 not in self.members
                 self._set_members(msg.members)
+                if back:  # the coordinator it had given up on answered its Join
+                    log.warning("nbrpc agent %r: back in the group (the coordinator answered)",
+                                self.name)
+                    self.readmitted += 1
                 if self._coordinator is not None:
                     self._coordinator.watch_all(now)
                 if self.state == "joining":  # peers may call us from now on
@@ -84,6 +94,24 @@ class Control:
             self._on_join(msg)
         elif t is DrainReport:
             self._dispatch(self._coordinator.on_drain_report(env.sender, msg))
+
+    def _of_this_run(self, env: Envelope, msg: Any) -> bool:
+        """Is this control message of this run of the group? A joiner's Join
+        is of none yet (run 0, the coordinator takes it); the coordinator's
+        answer to a Join must name this agent's incarnation, and tells a
+        joiner the run (signed in its header)."""
+        t = type(msg)
+        if t is Members and (msg.to != self._member.incarnation or env.sender != 0):
+            why = "an answer to another member's join"
+        elif t is Members and self.io.run == 0:
+            self.io.run = env.run
+            return True
+        elif env.run == self.io.run or (t is Join and self._coordinator is not None):
+            return True
+        else:
+            why = f"{t.__name__} of run {env.run:x} (this is run {self.io.run:x})"
+        self.io.note_drop("wrong run", f"from rank {env.sender}: {why}")
+        return False
 
     def _on_join(self, join: Join) -> None:
         m = join.member
@@ -136,12 +164,7 @@ class Control:
         if self._coordinator is not None:
             if stalled:
                 self._coordinator.watch_all(now)
-            down = {r: self.io.link_down_since(r) for r in self._coordinator.last_seen}
-            for rank in self._coordinator.expired(now, opts.failure_timeout,
-                                                  opts.link_timeout, down):
-                why = self._death(now, down.get(rank))
-                self._dispatch(self._coordinator.on_leave(rank, dead=True, why=why))
-                self._remove_member(rank, dead=True, why=why)
+            self._declare_dead(now)
             self._dispatch([(rank, beat) for rank in self.members.ranks() if rank != 0])
             return
         if 0 not in self.members:
@@ -153,8 +176,40 @@ class Control:
                 down_since is not None and now - down_since > opts.link_timeout
                 and silent > opts.link_timeout):
             self._remove_member(0, dead=True, why=self._death(now, down_since))
+            if self.state == "ready":
+                # The coordinator may be alive but cut off (a partition): then it gave
+                # up on this member too, and neither would heartbeat the other again.
+                # Ask to join again now (after the old connection is dropped): the
+                # Join waits in a new connection that keeps dialling until it is through.
+                self.io.call_soon(self._rejoin)
             return
         self._dispatch([(0, beat)])
+
+    _recheck_due = False  # a check of the links is set before the next tick
+
+    def _declare_dead(self, now: float) -> None:
+        """Coordinator: declare dead the members the rules give up on. A down
+        link that comes due before the next tick is checked again then (a lost
+        host is declared dead at link_timeout, not up to a tick later)."""
+        opts = self.options
+        down = {r: self.io.link_down_since(r) for r in self._coordinator.last_seen}
+        for rank in self._coordinator.expired(now, opts.failure_timeout, opts.link_timeout, down):
+            why = self._death(now, down.get(rank))
+            self._dispatch(self._coordinator.on_leave(rank, dead=True, why=why))
+            self._remove_member(rank, dead=True, why=why)
+        due = self._coordinator.link_due(opts.link_timeout, down)
+        if due is not None and due < now + opts.heartbeat_interval and not self._recheck_due:
+            self._recheck_due = True
+            self.io.call_later(max(0.0, due - now) + 0.01, self._recheck_links)
+
+    def _recheck_links(self) -> None:
+        self._recheck_due = False
+        now, beat = time.monotonic(), self.options.heartbeat_interval
+        if now - self._last_tick > beat + max(1.0, beat):
+            return  # this process was stalled: the tick, late too, resets who it watches
+        if (self.state != "stopped" and self._coordinator is not None and self._joined.is_set()
+                and not self._join_error and not self._shutdown_cut):
+            self._declare_dead(now)
 
     def _death(self, now: float, down_since: float | None) -> str:
         if down_since is not None and now - down_since > self.options.link_timeout:
@@ -175,8 +230,7 @@ class Control:
         elif m.rank == 0 and 0 not in self.members and self.state == "ready":
             log.warning("nbrpc agent %r: the coordinator %r is alive after all; joining "
                         "it again", self.name, m.name)
-            self.readmitted += 1
-            self._rejoin(m.address)
+            self._rejoin(m.address)  # (counted in readmitted once it answers)
 
     def _rejoin(self, address: str | None = None) -> None:
         self._coordinator_seen = time.monotonic()

@@ -86,6 +86,7 @@ class Member:
     local: str | None = None  # its Unix domain socket, for peers on its host
     devices: Any = None  # its devices.DeviceConfig (CUDA count, device maps), or None: none
     max_message: int | None = None  # the most bytes it accepts in one message; None: default
+    incarnation: int = 0  # its transport's random identity: tells a restart from a replay
 
 
 @fast_pickle
@@ -102,6 +103,7 @@ class Members:
 
     members: tuple[Member, ...]
     error: str | None = None
+    to: int = 0  # the incarnation of the member it answers (a recorded answer fits no other)
 
 
 @fast_pickle

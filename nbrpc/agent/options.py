@@ -16,11 +16,12 @@ class AgentOptions:
     port: int = 0
     event_log_size: int = 10_000
     heartbeat_interval: float = 0.5  # seconds between heartbeats; 0 turns detection off
-    # a member silent this long while its connection stays up (busy, stopped, or
-    # its host unreachable) is declared dead
+    # a member silent this long while its kernel still acknowledges its connection
+    # (busy, stopped, swapping: the rule for what the link cannot show) is declared dead
     failure_timeout: float = 30.0
-    # a member whose connection closed (its process exited) and that has been
-    # silent this long is declared dead
+    # a member whose connection closed (its process exited, or its host stopped
+    # acknowledging for about a second, zmqhub.UNACKED_MS: power loss, a partition,
+    # a frozen VM) and that has been silent this long is declared dead
     link_timeout: float = 1.0
     max_message_size: int = DEFAULT_MAX_MESSAGE  # bytes a received message may declare
     max_message_age: float = 300.0  # older (by the sender's clock) is refused as a replay

@@ -48,9 +48,10 @@ class TensorPipeRpcBackendOptions(RpcBackendOptions):
     CUDA tensors yet, so sending one still fails (move it with ``.cpu()``).
 
     Beyond PyTorch's: ``failure_timeout``, how long a worker may stay silent
-    while its connection is up (busy in C code holding the GIL, stopped, or
-    its host unreachable) before the group declares it dead; a worker whose
-    process exits is noticed within about a second whatever this is. With
+    while its connection is up (busy in C code holding the GIL, stopped)
+    before the group declares it dead; a worker whose process exits is
+    noticed within about a second, and one whose host vanishes from the
+    network (power loss, a partition) within about three, whatever this is. With
     PyTorch's own options class, set ``NBRPC_FAILURE_TIMEOUT`` instead.
     ``max_message_size``: the most bytes a received message may declare.
     ``encrypt=True`` (or ``NBRPC_ENCRYPT=1``) encrypts every connection with

@@ -26,6 +26,8 @@ from typing import Any, Protocol
 
 import zmq
 
+from .frames import CHUNK, split
+
 
 class Link(Protocol):
     """What the loop needs of a peer's outgoing connection; a zmq DEALER
@@ -82,8 +84,9 @@ class Dealer:
                     try:
                         if batches:
                             sock.send_multipart(out, copy=False, more=True)
-                        else:
-                            sock.send_multipart(out, copy=False)
+                        else:  # (no frame over CHUNK on tcp://: see frames.split)
+                            sock.send_multipart(split(out) if size > CHUNK else out,
+                                                copy=False)
                     except BufferError as e:  # a Unix socket whose peer reads nothing
                         self.note_drop("send queue full", str(e))
                         continue

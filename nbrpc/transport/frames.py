@@ -14,10 +14,13 @@ frame  part       contents
                     over header ‖ payload; with flag DIGEST (payloads above
                     ``SMALL_PAYLOAD``) over the header alone, which then
                     holds the payload's own HMAC
-                  * header: ``<BBBxiQIIQQd`` version, kind, flags, sender id,
-                    message id, n_buffers, header length, the sender's
-                    incarnation (random per transport), its message sequence
-                    number and its send time (``time.time()``); with DIGEST
+                  * header: ``<BBBxiiQIIQQQd`` version, kind, flags, sender
+                    id, destination id, message id, n_buffers, header length,
+                    the sender's incarnation (random per transport), the
+                    group's run (a random number the coordinator draws when
+                    the group forms; 0 before a joiner has heard it), the
+                    sender's message sequence number and its send time
+                    (``time.time()``); with DIGEST
                     the 32-byte payload MAC; n_buffers × ``<Q`` buffer
                     lengths; with flag SHM, per buffer a ``<B`` name length
                     (0: inline) and the name of the shared-memory segment
@@ -44,7 +47,16 @@ them out keeps a 64 MB tensor from paying ~40 ms of SHA-256.
 
 Replays: :class:`ReplayGuard` accepts each (incarnation, sequence number)
 once and refuses messages sent more than ``max_age`` seconds ago, so a
-recorded message cannot be played back, now or later.
+recorded message cannot be played back to its recipient, now or later. The
+signed destination and run keep it from being played to anyone else: the
+receiving loop (:mod:`.io`) refuses a message signed for another member or
+for another run of the group, before any of it is interpreted.
+
+Over ``tcp://`` no frame is larger than ``CHUNK`` (:func:`split`,
+:func:`join_layout`), so that the receiving socket's maximum frame size,
+which libzmq applies before the handshake too, can stay small: a peer that
+has not authenticated makes an agent hold at most ``CHUNK`` bytes per
+connection.
 """
 
 from __future__ import annotations
@@ -60,14 +72,16 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-VERSION = 3
+VERSION = 4
 SIG_LEN = 32
 FLAG_SHM = 1
 FLAG_DIGEST = 2
 SMALL_PAYLOAD = 64 << 10  # above this the payload has its own MAC (flag DIGEST)
 MAX_HEADER = 4 << 20  # buffer lengths and segment names: ~50 bytes a buffer
 DEFAULT_MAX_MESSAGE = 4 << 30  # bytes a message may declare (payload + buffers)
-_FIXED = struct.Struct("<BBBxiQIIQQd")
+CHUNK = 256 << 10  # the largest frame a tcp:// connection carries (see split)
+MAX_FRAMES = 1 << 16  # frames per message: one head and one per buffer
+_FIXED = struct.Struct("<BBBxiiQIIQQQd")
 _LEN = struct.Struct("<Q")
 
 Buffer = bytes | memoryview | bytearray
@@ -121,6 +135,8 @@ class Envelope:
     buffers: list  # zmq.Frame / memoryview / bytes / ShmRef
     incarnation: int = 0
     seq: int = 0
+    dest: int = 0
+    run: int = 0
     sent_at: float = 0.0
     channel: Any = None  # the caller's own channel it came on (answer there), if any
 
@@ -156,13 +172,15 @@ def pack(
     incarnation: int = 0,
     seq: int = 0,
     sent_at: float | None = None,
+    dest: int = 0,
+    run: int = 0,
 ) -> list:
-    """Frames for one message, signed with ``key``.
+    """Frames for one message from ``sender`` to ``dest``, signed with ``key``.
 
     >>> key = new_key()
-    >>> env = unpack(key, pack(key, 1, 0, 7, b"payload", [b"abc"]))
-    >>> env.msg_id, bytes(env.payload), bytes(env.buffers[0])
-    (7, b'payload', b'abc')
+    >>> env = unpack(key, pack(key, 1, 0, 7, b"payload", [b"abc"], dest=2, run=5))
+    >>> env.msg_id, bytes(env.payload), bytes(env.buffers[0]), env.dest, env.run
+    (7, b'payload', b'abc', 2, 5)
     """
     tail = b""
     if buffers:
@@ -175,8 +193,8 @@ def pack(
     if len(payload) > SMALL_PAYLOAD:
         flags |= FLAG_DIGEST
         tail = _sign(key, payload) + tail
-    header = _FIXED.pack(VERSION, kind, flags, sender, msg_id, len(buffers),
-                         _FIXED.size + len(tail), incarnation, seq,
+    header = _FIXED.pack(VERSION, kind, flags, sender, dest, msg_id, len(buffers),
+                         _FIXED.size + len(tail), incarnation, run, seq,
                          time.time() if sent_at is None else sent_at) + tail
     if flags & FLAG_DIGEST:
         return [_sign(key, header) + header + payload, *buffers]
@@ -202,7 +220,7 @@ def unpack(key: bytes, frames: Sequence, max_size: int = DEFAULT_MAX_MESSAGE) ->
         raise BadMessage("framing", "short head frame")
     body = head[SIG_LEN:]
     # (unauthenticated until the MAC below: used only to bound the work)
-    flags, header_len = body[2], _FIXED.unpack_from(body)[6]
+    flags, header_len = body[2], _FIXED.unpack_from(body)[7]
     if not _FIXED.size <= header_len <= min(body.nbytes, MAX_HEADER):
         raise BadMessage("framing", "header length out of range")
     if flags & FLAG_DIGEST:
@@ -213,7 +231,7 @@ def unpack(key: bytes, frames: Sequence, max_size: int = DEFAULT_MAX_MESSAGE) ->
         signed = body
     if not hmac.compare_digest(head[:SIG_LEN], _sign(key, signed)):
         raise BadMessage("bad signature")
-    (version, kind, flags, sender, msg_id, n, header_len, incarnation, seq,
+    (version, kind, flags, sender, dest, msg_id, n, header_len, incarnation, run, seq,
      sent_at) = _FIXED.unpack_from(body)
     if version != VERSION:
         raise BadMessage("framing", f"protocol version {version}, expected {VERSION}")
@@ -241,7 +259,8 @@ def unpack(key: bytes, frames: Sequence, max_size: int = DEFAULT_MAX_MESSAGE) ->
             buffers[i] = ShmRef(names[i], want)
         elif memoryview(b).nbytes != want:
             raise BadMessage("framing", "buffer length does not match the header")
-    return Envelope(kind, flags, sender, msg_id, payload, buffers, incarnation, seq, sent_at)
+    return Envelope(kind, flags, sender, msg_id, payload, buffers, incarnation, seq, dest,
+                    run, sent_at)
 
 
 def _shm_names(body: memoryview, pos: int, end: int, n: int) -> list[str]:
@@ -310,3 +329,47 @@ class ReplayGuard:
             if now - oldest[2] <= self.max_age and len(seen) < self.max_senders:
                 return
             seen.popitem(last=False)
+
+
+def split(frames: list, chunk: int = CHUNK) -> list:
+    """The frames of one message as a ``tcp://`` connection carries them: the
+    same frames when none is larger than ``chunk``; else an empty frame, a
+    layout frame (``<Q`` per frame: its length) and each frame cut into parts
+    of at most ``chunk`` bytes (views: nothing is copied). An empty frame
+    never starts a message otherwise (a head frame is never empty).
+
+    >>> split([b"head", b"abc"], chunk=4)
+    [b'head', b'abc']
+    >>> [bytes(p) for p in split([b"head", b"abcdefg"], chunk=4)]
+    [b'', b'\\x04\\x00\\x00\\x00\\x00\\x00\\x00\\x00\\x07\\x00\\x00\\x00\\x00\\x00\\x00\\x00', b'head', b'abcd', b'efg']
+    """
+    views = [memoryview(f).cast("B") for f in frames]
+    if all(v.nbytes <= chunk for v in views):
+        return frames
+    parts: list = [b"", b"".join(_LEN.pack(v.nbytes) for v in views)]
+    for v in views:
+        parts.extend(v[i:i + chunk] for i in range(0, v.nbytes, chunk))
+    return parts
+
+
+def layout(frame: Buffer, max_size: int) -> list[int]:
+    """The frame lengths a layout frame (see :func:`split`) declares; raises
+    BadMessage when it is malformed or declares more than ``max_size`` bytes
+    (checked before anything is allocated for them).
+
+    >>> layout(split([b"head", b"abcdefg"], chunk=4)[1], 100)
+    [4, 7]
+    >>> layout(_LEN.pack(1 << 40), 100)
+    Traceback (most recent call last):
+    ...
+    nbrpc.transport.frames.BadMessage: too large: 1099511627776 bytes declared, at most 100...
+    """
+    view = memoryview(frame)
+    n = view.nbytes // _LEN.size
+    if not 0 < n <= MAX_FRAMES or view.nbytes % _LEN.size:
+        raise BadMessage("framing", "malformed layout frame")
+    lengths = [_LEN.unpack_from(view, i * _LEN.size)[0] for i in range(n)]
+    if sum(lengths) > max_size:
+        raise BadMessage("too large", f"{sum(lengths)} bytes declared, at most "
+                                      f"{max_size} accepted")
+    return lengths

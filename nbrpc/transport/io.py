@@ -101,9 +101,16 @@ class IOLoop:
         self._key = key
         self.local_id = local_id
         self._on_message = on_message
+        # on_unread(envelope, why): a signed message for this member and run
+        # that cannot be handed on (its buffers are unreadable); the agent
+        # answers a request with the reason rather than leave its caller waiting
+        self.on_unread: Callable[[Envelope, str], None] | None = None
         self._name = name
         self.max_message_size = int(max_message_size)
         self._seq = Sequencer()
+        # The group's run, signed into every message (see frames): 0 until this
+        # member has heard it; messages of another run are refused from then on.
+        self.run = 0
         self._guard = ReplayGuard(max_age)
         self._guard_lock = threading.Lock()  # (channel threads deliver too)
         self._token = connect_token(key)
@@ -115,17 +122,19 @@ class IOLoop:
         self._zmq = ZmqHub(key, self._token, self.max_message_size + MAX_HEADER + SIG_LEN,
                            encrypt, deliver=self.deliver, note_drop=self.note_drop,
                            links=self._links, name=name,
-                           is_current=lambda peer, d: self._dealers.get(peer) is d)
+                           is_current=lambda peer, d: self._dealers.get(peer) is d,
+                           call_later=self.call_later)
         self._dealers: dict[int, Dealer] = {}
         self._same_host: dict[int, bool] = {}
-        self._shm = shm.ShmWriter(copy or shm.plain_copy) if shm.available() else None
+        self._shm = (shm.ShmWriter(copy or shm.plain_copy, self.call_later)
+                     if shm.available() else None)
         self._dealers_lock = threading.Lock()
         self._addresses: dict[int, str] = {}
         self._ipc = ipc and not encrypt  # (encrypt: every connection is CURVE)
         self._ipc_dir: str | None = None
         self._unix: unix.UnixHub | None = None
         self.channels: channel.Channels | None = None  # callers' own (see .channel)
-        self.local_address: str | None = None  # "HOST@unix://..." for peers on this host
+        self.local_address: str | None = None  # "IDENTITY@unix://..." (see .local), once bound
         self._local: dict[int, str] = {}  # peer -> its unix:// endpoint, if on this host
         # Messages to a member whose address has not reached us yet (a peer that
         # got the member table first may call us before we have it), sent in
@@ -155,6 +164,8 @@ class IOLoop:
         self.address = self._zmq.bind(f"tcp://{_bracket(host)}:{port or '*'}")
         if self._ipc:
             self.local_address = self._bind_ipc()
+        if self.local_address is None:  # (who we are, for shared memory: see local)
+            self.local_address = f"{local.host_identity()}@"
         return self.address
 
     def _bind_ipc(self) -> str | None:
@@ -205,7 +216,8 @@ class IOLoop:
             dealer = self._new_dealer(peer, address) if held else None
             if dealer is not None:  # before any other sender can see the dealer: in order
                 dealer.queue.extend(held)
-        self._same_host.pop(peer, None)
+        if local_address is not None or old != address:
+            self._same_host[peer] = local.same_identity(local_address)
         if old is not None and old != address:
             self.call_soon(self._drop_dealer, peer)
         elif redial:  # (what the old connection still holds drains, bounded by its linger)
@@ -223,6 +235,11 @@ class IOLoop:
             log.warning("dropping %d message(s) to peer %d: it left before its address "
                         "was known", len(dropped), peer)
         self.call_soon(self._drop_dealer, peer)
+
+    @property
+    def incarnation(self) -> int:
+        """This loop's random identity, signed into every message it sends."""
+        return self._seq.incarnation
 
     @property
     def refused_connections(self) -> int:
@@ -273,7 +290,8 @@ class IOLoop:
                        if type(b) is not ShmRef and memoryview(b).nbytes < zmq.COPY_THRESHOLD
                        else b for b in buffers]
         frames = pack(self._key, kind, self.local_id, msg_id, payload, buffers,
-                      incarnation=self._seq.incarnation, seq=self._seq.next())
+                      incarnation=self._seq.incarnation, seq=self._seq.next(),
+                      dest=peer, run=self.run)
         if via is not None:
             return via.write(frames, first)
         nbytes = sum(memoryview(f).nbytes for f in frames)
@@ -320,17 +338,9 @@ class IOLoop:
             return b
 
     def _is_local(self, peer: int) -> bool:
-        """Is ``peer`` on this host (loopback, or our own interface)?"""
-        local = self._same_host.get(peer)
-        if local is None and peer in self._local:
-            local = self._same_host[peer] = True
-        if local is None:
-            address = self._addresses.get(peer, "")
-            host = address.rpartition(":")[0].removeprefix("tcp://").strip("[]")
-            mine = (self.address or "").rpartition(":")[0].removeprefix("tcp://").strip("[]")
-            local = host.startswith("127.") or host in ("::1", "localhost") or host == mine
-            self._same_host[peer] = local
-        return local
+        """Does ``peer`` share this host and user (it published our identity,
+        see :mod:`.local`), so that it can open our shared-memory segments?"""
+        return self._same_host.get(peer, False)
 
     def _send_frames(self, peer: int, entry: tuple, defer: bool = False) -> None:
         """Send ``entry``: (frames, their bytes, message id)."""
@@ -568,6 +578,14 @@ class IOLoop:
         except BadMessage as e:
             self.note_drop(e.reason, str(e))
             return
+        if env.dest != self.local_id or env.run != self.run and env.run and self.run:
+            # signed by a member of this group's key, for someone else or for
+            # another run of the group: a recorded message played back
+            wrong = "wrong destination" if env.dest != self.local_id else "wrong run"
+            self.note_drop(wrong, f"message {env.seq} of rank {env.sender} to rank "
+                                  f"{env.dest}, run {env.run:x} (this is rank "
+                                  f"{self.local_id}, run {self.run:x})")
+            return
         with self._guard_lock:
             why = self._guard.check(env.incarnation, env.seq, env.sent_at, time.time())
         if why is not None:
@@ -577,10 +595,13 @@ class IOLoop:
             return
         if env.flags & FLAG_SHM:
             try:
-                env.buffers = [shm.read(b.name, b.nbytes, self._release) if type(b) is ShmRef
+                env.buffers = [shm.read(b.name, b.nbytes) if type(b) is ShmRef
                                else b for b in env.buffers]
             except (OSError, ValueError) as e:
                 self.note_drop("unreadable segment", f"from rank {env.sender}: {e}")
+                if self.on_unread is not None:  # (signed: its sender hears why)
+                    env.channel = via
+                    self.on_unread(env, f"a shared-memory segment it named is unreadable ({e})")
                 return
         nbytes = env.payload.nbytes + sum(memoryview(b).nbytes for b in env.buffers)
         with self._guard_lock:
@@ -592,13 +613,6 @@ class IOLoop:
         except Exception:
             log.exception("dropped a message of kind %d from %d: its handler failed",
                           env.kind, env.sender)
-
-    def _release(self, give_back: Callable[[], None]) -> None:
-        """A received shared-memory buffer was freed: hand it back, off the GC path."""
-        if self._stopping or self._thread is None or not self._thread.is_alive():
-            give_back()
-        else:
-            self.call_soon(give_back)
 
     def _timer_timeout(self) -> int:
         """Milliseconds to sleep: until the next timer, and never above

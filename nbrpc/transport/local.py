@@ -5,8 +5,11 @@ Linux, also listens on a plain Unix domain socket (:mod:`.unix`) in a fresh
 private directory (``mkdtemp``: mode 0700, so no other user can even reach
 the socket file). It publishes that endpoint (``unix://PATH``) with its
 *host identity*: the boot id and the network and mount namespaces of its
-process. A peer with the same identity sees the same file system and kernel,
-so it connects there instead of over loopback TCP. What differs from TCP is
+process, and its effective uid. A peer with the same identity sees the same
+file system and kernel and may open the same files, so it connects there
+instead of over loopback TCP, and takes large buffers through shared memory
+(:mod:`.shm`). Without a Unix socket (``local_ipc=False``, ``encrypt=True``)
+the identity is published alone (``IDENTITY@``), for shared memory. What differs from TCP is
 only the path: the connection is authenticated before anything is read, and
 every message is signed, as over TCP. (With ``encrypt=True`` every connection
 uses zmq's CURVE over TCP instead.)
@@ -19,6 +22,8 @@ one is made.
 'unix:///tmp/x/s'
 >>> local_endpoint("elsewhere@unix:///tmp/x/s") is None
 True
+>>> same_identity(host_identity() + "@"), local_endpoint(host_identity() + "@")
+(True, None)
 """
 
 from __future__ import annotations
@@ -36,7 +41,7 @@ SWEEP_MAX = 20_000  # directory entries looked at per sweep (by name; few are st
 
 
 @lru_cache(maxsize=1)
-def _identity(pid: int) -> str:
+def _identity(pid: int, euid: int) -> str:
     parts = []
     try:
         with open("/proc/sys/kernel/random/boot_id") as f:
@@ -45,20 +50,30 @@ def _identity(pid: int) -> str:
             parts.append(str(os.stat(f"/proc/self/ns/{ns}").st_ino))
     except OSError:  # not Linux, or no /proc: never assume a shared host
         return f"unknown-{pid}-{id(parts)}"
-    return ":".join(parts)
+    return ":".join([*parts, str(euid)])
 
 
 def host_identity() -> str:
-    """Equal in two processes when an ``ipc://`` path means the same socket to both."""
-    return _identity(os.getpid())
+    """Equal in two processes when a ``unix://`` path means the same socket to
+    both and both may use it, as they may use each other's shared-memory
+    segments: the same boot, network and mount namespaces, and the same
+    effective user (another user's 0700 directories and 0600 segments are out
+    of reach, so peers of two users who share a key talk over TCP)."""
+    return _identity(os.getpid(), os.geteuid())
+
+
+def same_identity(published: str | None) -> bool:
+    """Did a peer that published ``published`` (``IDENTITY@ENDPOINT``) run on
+    this host as this user?"""
+    return bool(published) and published.partition("@")[0] == host_identity()
 
 
 def local_endpoint(published: str | None) -> str | None:
-    """The ``ipc://`` endpoint a peer published, if it is usable from here."""
-    if not published:
+    """The ``unix://`` endpoint a peer published, if it is usable from here."""
+    if not same_identity(published):
         return None
-    host, _, endpoint = published.partition("@")
-    return endpoint if host == host_identity() and endpoint.startswith("unix://") else None
+    endpoint = published.partition("@")[2]
+    return endpoint if endpoint.startswith("unix://") else None
 
 
 def make_dir() -> str:

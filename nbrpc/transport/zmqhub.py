@@ -12,9 +12,23 @@ accepts a connection only if its password is ``HMAC(key, "nbrpc-connect")``,
 which only key holders can compute. A peer without the key never completes a
 handshake, so nothing it sends is allocated or read (the token travels in
 clear; on a network someone can sniff, use ``encrypt=True``, where CURVE's
-handshake does the same job without revealing anything). Input from a
-connected peer is bounded too: libzmq drops a frame larger than the maximum
-message size before allocating it (``ZMQ_MAXMSGSIZE``) and reads at most
+handshake does the same job without revealing anything).
+
+What a connection costs before that: libzmq reads handshake commands as it
+reads any frame, up to the socket's maximum frame size (``ZMQ_MAXMSGSIZE``),
+for up to ``HANDSHAKE_MS``. That maximum is ``frames.CHUNK`` (256 KiB, and
+the 33 bytes CURVE wraps a frame in): a larger frame is refused before it is
+allocated and its connection closed,
+and messages with larger parts cross ``tcp://`` cut into parts
+(:func:`~.frames.split`, put back together by :meth:`ZmqHub._recv_split`
+straight into each frame's buffer). So a peer without the key makes an agent
+hold at most ``CHUNK`` bytes per connection, for at most ``HANDSHAKE_MS``
+(``tests/test_security_handshake.py``: a 512 MB handshake frame, plain or
+CURVE, grows the agent by nothing; 200 connections stopped just short of a
+full frame, by under 64 MB). How many such connections can be open at once
+is bounded only by the process's file-descriptor limit. A connected peer is
+bounded too: a message's declared size is checked against the maximum
+message size before anything is allocated for it, and libzmq reads at most
 ``RCVHWM`` queued messages per peer.
 
 Encryption (``encrypt=True``): every connection uses ZeroMQ's CURVE
@@ -31,6 +45,8 @@ kernel closed its connection), with no heartbeat involved.
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import logging
 import time
 from collections.abc import Callable
@@ -40,15 +56,44 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from .auth import curve_keys, zap_answer
+from .frames import CHUNK, MAX_FRAMES, BadMessage, layout
 
 log = logging.getLogger(__name__)
 
 RCVHWM = 1000  # messages queued per sending peer before libzmq stops reading it
 LINGER_MS = 500  # how long a DEALER's close lets queued frames drain
+HANDSHAKE_MS = 5_000  # a connection not authenticated by then is closed
+WRAP_BYTES = 64  # what CURVE adds to a frame on the wire (33 bytes: nonce, MAC, command)
+TRIM_AFTER = 64 << 20  # bytes received in parts before the heap is trimmed
+TRIM_DELAY = 0.5  # seconds after that, and once the flow pauses
 _RECV_BATCH = 256  # messages read per wake-up before call_soon work is served again
 _LINK_EVENTS = zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED
 # plain ints: pyzmq's enum members cost an enum construction per ``&`` (~0.5 µs)
 _RCVMORE, _EVENTS, _POLLIN = int(zmq.RCVMORE), int(zmq.EVENTS), int(zmq.POLLIN)
+
+# A lost host (power loss, a partition, a frozen VM) closes no connection, but
+# its kernel stops acknowledging what is sent to it, while a peer that is only
+# busy (GIL held, stopped, swapping) keeps being acknowledged by its kernel. A
+# DEALER's TCP connection whose data stays unacknowledged is closed by the
+# kernel (TCP_USER_TIMEOUT, through ZMQ_TCP_MAXRT): its monitor then reports
+# the link down, as for a process that exited. Linux counts UNACKED_MS from the
+# first retransmission, one RTO (at least 200 ms) after the send: on a LAN the
+# connection goes about a second after the first message that got no answer
+# (measured: 1.02 s). Heartbeats keep data in flight to the coordinator and from it.
+# The cost: Linux closes a connection whose peer takes nothing (zero window) as
+# long, too: a process stopped (SIGSTOP, a debugger) with more sent to it than
+# its socket buffer holds. Its kernel answers the redial at once, so its link is
+# not down long enough to count, but the message cut off is lost.
+UNACKED_MS = 600
+# Dialling a lost host again: SYNs that go unanswered are given up after
+# CONNECT_MS (not the kernel's two minutes) and tried again, backing off from
+# 100 ms to REDIAL_MAX_MS, so a link that comes back is found within seconds.
+CONNECT_MS = 2000
+REDIAL_MAX_MS = 2000
+# Idle connections (a ROUTER's accepted ones; a DEALER nobody writes) are
+# probed (TCP keepalive): a half-open connection from a host that vanished is
+# closed within seconds, not kept for ever.
+KEEPALIVE_IDLE_S, KEEPALIVE_INTVL_S, KEEPALIVE_CNT = 10, 2, 3
 
 
 class ZmqHub:
@@ -60,15 +105,27 @@ class ZmqHub:
 
     def __init__(self, key: bytes, token: bytes, max_size: int, encrypt: bool, *,
                  deliver: Callable[[list], None], note_drop: Callable[[str, str], None],
-                 links: dict, is_current: Callable[[int, Any], bool], name: str) -> None:
+                 links: dict, is_current: Callable[[int, Any], bool], name: str,
+                 call_later: Callable[..., Any]) -> None:
         self._token = token
         self._deliver, self._note_drop, self._links, self._name = deliver, note_drop, links, name
         self._is_current = is_current  # (peer, dealer): still that peer's dealer?
+        self._call_later = call_later
+        self._untrimmed, self._trim_due = 0, False  # bytes received in parts since a trim
         self.ctx = zmq.Context()
         router = self.router = self.ctx.socket(zmq.ROUTER)
         router.setsockopt(zmq.LINGER, 0)
         router.setsockopt(zmq.RCVHWM, RCVHWM)
-        router.setsockopt(zmq.MAXMSGSIZE, max_size)  # refused before it is allocated
+        # No frame over tcp:// is larger than CHUNK (frames.split), and libzmq
+        # refuses a larger one before allocating it, in the handshake too: a
+        # peer without the key makes us hold at most that, for HANDSHAKE_MS.
+        router.setsockopt(zmq.MAXMSGSIZE, CHUNK + WRAP_BYTES)
+        router.setsockopt(zmq.HANDSHAKE_IVL, HANDSHAKE_MS)
+        router.setsockopt(zmq.TCP_KEEPALIVE, 1)  # (a host that vanished: see UNACKED_MS)
+        router.setsockopt(zmq.TCP_KEEPALIVE_IDLE, KEEPALIVE_IDLE_S)
+        router.setsockopt(zmq.TCP_KEEPALIVE_INTVL, KEEPALIVE_INTVL_S)
+        router.setsockopt(zmq.TCP_KEEPALIVE_CNT, KEEPALIVE_CNT)
+        self._max_size = max_size  # bytes a message's frames may add up to
         self._curve = curve_keys(key) if encrypt else None
         self._zap: zmq.Socket | None = None
         if self._curve is not None:
@@ -122,7 +179,68 @@ class ZmqHub:
             frames = []
             while getsockopt(RCVMORE):  # the head as bytes; buffers zero-copy
                 frames.append(router.recv(copy=not frames))
-            deliver(frames)
+                if not frames[0]:  # a message cut into parts (frames.split)
+                    frames = self._recv_split()
+                    break
+            if frames:
+                deliver(frames)
+
+    def _recv_split(self) -> list | None:
+        """The rest of a message cut into parts (:func:`~.frames.split`), put
+        back together: its layout frame, then each frame's parts received
+        straight into that frame's buffer. None (counted) when the parts do
+        not fit the layout; whatever is left of the message is then skipped."""
+        router, getsockopt = self.router, self.router.getsockopt
+        try:
+            if not getsockopt(_RCVMORE):
+                raise BadMessage("framing", "a layout frame is missing")
+            lengths = layout(router.recv(), self._max_size)
+            frames = []
+            for length in lengths:
+                buf = bytearray(length)  # (writable: torch's tensors use it in place)
+                view, pos = memoryview(buf), 0
+                while pos < length:
+                    if not getsockopt(_RCVMORE):
+                        raise BadMessage("framing", "fewer parts than the layout declares")
+                    got = router.recv_into(view[pos:])
+                    if not 0 < got <= length - pos:
+                        raise BadMessage("framing", "a part does not fit its frame")
+                    pos += got
+                frames.append(buf)
+            if getsockopt(_RCVMORE):
+                raise BadMessage("framing", "more parts than the layout declares")
+            self._parts_received(sum(lengths))
+            return frames
+        except BadMessage as e:
+            skipped = 0
+            for _ in range(MAX_FRAMES * 64):  # (parts of at most CHUNK bytes)
+                if not getsockopt(_RCVMORE):
+                    break
+                skipped += router.recv_into(bytearray())  # (discards the part)
+            self._parts_received(skipped)
+            self._note_drop(e.reason, str(e))
+            return None
+
+    def _parts_received(self, nbytes: int) -> None:
+        """libzmq received ``nbytes`` in parts of at most CHUNK bytes, each
+        in its own malloc'd block. glibc keeps freed blocks of that size in
+        the I/O thread's arena rather than returning them (a 1 GB tensor
+        would stay in the process's RSS as free heap): hand them back to
+        the system once ``TRIM_AFTER`` bytes have come, when the flow
+        pauses (``trim_heap`` runs on the I/O thread, ~50 ms per GB)."""
+        self._untrimmed += nbytes
+        if self._untrimmed >= TRIM_AFTER and not self._trim_due:
+            self._trim_due = True
+            self._call_later(TRIM_DELAY, self._trim)
+
+    def _trim(self) -> None:
+        if self.router.closed:
+            return
+        if self.router.getsockopt(_EVENTS) & _POLLIN:  # still coming: later
+            self._call_later(TRIM_DELAY, self._trim)
+            return
+        self._trim_due, self._untrimmed = False, 0
+        trim_heap()
 
     def _authenticate(self) -> None:
         """Answer ZAP requests (RFC 27): a connection is let in only with the
@@ -147,6 +265,14 @@ class ZmqHub:
         sock = self.ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.SNDHWM, 0)
         sock.setsockopt(zmq.LINGER, LINGER_MS)
+        sock.setsockopt(zmq.MAXMSGSIZE, 1 << 16)  # (receives handshake commands only)
+        sock.setsockopt(zmq.TCP_MAXRT, UNACKED_MS)  # a lost host: the link goes down
+        sock.setsockopt(zmq.CONNECT_TIMEOUT, CONNECT_MS)
+        sock.setsockopt(zmq.RECONNECT_IVL_MAX, REDIAL_MAX_MS)
+        sock.setsockopt(zmq.TCP_KEEPALIVE, 1)
+        sock.setsockopt(zmq.TCP_KEEPALIVE_IDLE, KEEPALIVE_IDLE_S)
+        sock.setsockopt(zmq.TCP_KEEPALIVE_INTVL, KEEPALIVE_INTVL_S)
+        sock.setsockopt(zmq.TCP_KEEPALIVE_CNT, KEEPALIVE_CNT)
         if self._curve is not None:
             server_public, _, public, secret = self._curve
             sock.setsockopt(zmq.CURVE_SERVERKEY, server_public)
@@ -206,3 +332,19 @@ class ZmqHub:
 def close_monitor(dealer: Any) -> None:
     if dealer.monitor is not None and not dealer.monitor.closed:
         dealer.monitor.close(linger=0)
+
+
+@functools.cache
+def _malloc_trim() -> Callable[[int], int] | None:
+    try:
+        return ctypes.CDLL(None).malloc_trim  # glibc
+    except (OSError, AttributeError):
+        return None
+
+
+def trim_heap() -> None:
+    """Return the C heap's free pages to the system (glibc's ``malloc_trim``;
+    nothing elsewhere)."""
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)

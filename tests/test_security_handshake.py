@@ -1,0 +1,171 @@
+"""Security tier: what a peer without the key costs an agent before the handshake.
+
+The victim is an agent in its own process (a one-member group, ``init_rpc``
+over ``env://``), so that its RSS is its own. The attacker speaks ZeroMQ's
+wire protocol (ZMTP 3.0) by hand over a plain TCP socket: the 64-byte
+greeting naming PLAIN (or CURVE, with ``encrypt=True``), then one command
+frame whose header declares a large size, then as many bytes as it can
+stream. libzmq reads a handshake command as it reads any frame, so before
+nbrpc capped the frame size of its TCP sockets (``frames.CHUNK``; larger
+frames travel cut into parts), that one frame made the victim hold all it
+declared, up to ``max_message_size`` (4 GB by default), until the handshake
+timed out.
+
+What must hold: a 512 MB handshake frame grows the victim by less than
+64 MB, plain or encrypted, and so do 200 connections at once, each stopped
+just short of completing a frame of the largest size allowed; the victim
+still answers its own calls afterwards. (How many connections an attacker
+can hold open is bounded only by the victim's file-descriptor limit, each
+for at most ``zmqhub.HANDSHAKE_MS``.)
+"""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import pytest
+from conftest import free_ports
+
+from nbrpc.transport import frames
+
+pytestmark = pytest.mark.security
+
+VICTIM = textwrap.dedent("""
+    import os, sys, json
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[1])
+    from nbrpc import debug, rpc
+    opts = rpc.TensorPipeRpcBackendOptions(encrypt=sys.argv[2] == "1", local_ipc=False)
+    rpc.init_rpc("victim", rank=0, world_size=1, rpc_backend_options=opts)
+    me = debug.snapshot()["members"][0]["address"]
+    print(json.dumps({"address": me}), flush=True)
+    for line in sys.stdin:  # one call per line; EOF ends it
+        print(json.dumps({"answer": rpc.rpc_sync("victim", max, args=(1, 2))}), flush=True)
+    rpc.shutdown()
+""")
+
+
+def _greeting(mechanism: bytes) -> bytes:
+    """ZMTP 3.0's greeting: signature, version 3.0, mechanism, as-server, filler."""
+    return (b"\xff" + bytes(8) + b"\x7f" + b"\x03\x00" + mechanism.ljust(20, b"\0")
+            + b"\0" + bytes(31))
+
+
+def _rss_mib(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) >> 10
+    raise AssertionError("no VmRSS")
+
+
+@contextmanager
+def victim(encrypt: bool) -> Iterator[tuple[subprocess.Popen, str, int]]:
+    proc = subprocess.Popen([sys.executable, "-c", VICTIM, str(free_ports(1)[0]),
+                             "1" if encrypt else "0"],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        line = proc.stdout.readline()  # (the victim's init_rpc is bounded by its timeout)
+        assert line, "the victim did not start"
+        import json
+
+        host, _, port = json.loads(line)["address"].removeprefix("tcp://").rpartition(":")
+        yield proc, host, int(port)
+    finally:
+        proc.stdin.close()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=10)
+
+
+def _stream(host: str, port: int, mechanism: bytes, declared: int, send: int,
+            conns: int = 1) -> int:
+    """Open ``conns`` connections, each a greeting and one command frame that
+    declares ``declared`` bytes, then stream up to ``send`` bytes on each
+    (round robin, 1 MB at a time); returns the bytes the victim took. The
+    connections stay open until the caller closes them (returned via
+    ``_open``)."""
+    socks = []
+    taken = 0
+    block = bytes(1 << 20)
+    try:
+        for _ in range(conns):
+            s = socket.create_connection((host, port), timeout=5)
+            s.sendall(_greeting(mechanism) + b"\x06" + declared.to_bytes(8, "big"))
+            socks.append(s)
+        for _ in range(send // len(block)):
+            for s in list(socks):
+                try:
+                    s.settimeout(2)
+                    s.sendall(block)
+                    taken += len(block)
+                except OSError:  # refused and closed by the victim
+                    socks.remove(s)
+                    s.close()
+            if not socks:
+                break
+        _open.extend(socks)
+        socks = []
+        return taken
+    finally:
+        for s in socks:
+            s.close()
+
+
+_open: list[socket.socket] = []
+
+
+def _close_all() -> None:
+    while _open:
+        _open.pop().close()
+
+
+@pytest.mark.parametrize("encrypt", [False, True], ids=["plain", "curve"])
+def test_a_large_handshake_frame_is_refused_unread(encrypt: bool) -> None:
+    mechanism = b"CURVE" if encrypt else b"PLAIN"
+    with victim(encrypt) as (proc, host, port):
+        before = _rss_mib(proc.pid)
+        t = time.perf_counter()
+        taken = _stream(host, port, mechanism, declared=512 << 20, send=512 << 20)
+        grew = _rss_mib(proc.pid) - before
+        _close_all()
+        print(f"\n{mechanism.decode()}: one handshake frame declaring 512 MB: the victim "
+              f"took {taken >> 20} MB of it in {time.perf_counter() - t:.2f} s and grew by "
+              f"{grew} MiB")
+        assert grew < 64, f"the victim grew by {grew} MiB before any handshake"
+        proc.stdin.write("call\n")
+        proc.stdin.flush()
+        assert '"answer": 2' in proc.stdout.readline()
+
+
+def test_many_connections_before_the_handshake_hold_little() -> None:
+    """200 connections, each stopped just short of completing a handshake frame
+    of the largest size a tcp:// socket takes (frames.CHUNK): what they make the
+    victim hold until its handshake timeout closes them."""
+    conns, size = 200, frames.CHUNK
+    with victim(False) as (proc, host, port):
+        before = _rss_mib(proc.pid)
+        socks = []
+        try:
+            for _ in range(conns):
+                s = socket.create_connection((host, port), timeout=5)
+                s.sendall(_greeting(b"PLAIN") + b"\x06" + size.to_bytes(8, "big")
+                          + bytes(size - 512))
+                socks.append(s)
+            grew = _rss_mib(proc.pid) - before
+        finally:
+            for s in socks:
+                s.close()
+        print(f"\n{conns} connections, each {size >> 10} KiB into a handshake frame: the "
+              f"victim grew by {grew} MiB")
+        assert grew < 64, f"the victim grew by {grew} MiB before any handshake"
+        proc.stdin.write("call\n")
+        proc.stdin.flush()
+        assert '"answer": 2' in proc.stdout.readline()
