@@ -8,7 +8,6 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from typing import Any
 
 import pytest
@@ -168,74 +167,3 @@ def no_thread_leak() -> Iterator[None]:
     assert poll_for(lambda: not [t for t in threading.enumerate() if t.name.startswith("nbrpc")],
                     timeout=5), [t.name for t in threading.enumerate()]
 
-
-@dataclass
-class World:
-    """What the processes of one spawned world reported: one row per step
-    (``phase``, ``name``, ``rank``, ``ok``, ``error``, ...), and how they exited."""
-
-    name: str
-    rows: list
-    exitcodes: list
-    secs: float
-
-    def row(self, phase: str, name: str, rank: int) -> dict:
-        for r in self.rows:
-            if (r["phase"], r["name"], r["rank"]) == (phase, name, rank):
-                return r
-        crashes = [r["error"] for r in self.rows if r["name"] == "<crash>"]
-        pytest.fail(f"no row {phase}/{name} from rank {rank} in world {self.name!r} "
-                    f"(exit codes {self.exitcodes}); crashes: {crashes}", pytrace=False)
-
-    def ok(self, phase: str, name: str, rank: int) -> dict:
-        r = self.row(phase, name, rank)
-        if not r["ok"]:
-            pytest.fail(f"{self.name}/{phase} {name} on rank {rank} failed:\n{r['error']}",
-                        pytrace=False)
-        return r
-
-
-def world_cache(run: Callable[[str], World]) -> Callable[[str], World]:
-    """``run(name)`` once per name: a module fixture returns this, so that each
-    world is spawned by the first test that asks for it."""
-    cache: dict[str, World] = {}
-
-    def get(name: str) -> World:
-        if name not in cache:
-            cache[name] = run(name)
-        return cache[name]
-
-    return get
-
-
-def spawn_world(name: str, child, args: tuple, nprocs: int, results,
-                timeout: float) -> World:
-    """``mp.spawn(child, args)`` without joining; collect what the children put on
-    ``results`` until they exit or ``timeout`` passes, then kill the ones still
-    alive (only ours, by their handles)."""
-    import queue as _queue
-    from pathlib import Path as _Path
-
-    import torch.multiprocessing as _mp
-    t0 = time.monotonic()
-    procs = _mp.spawn(child, args=args, nprocs=nprocs, join=False)
-    rows: list = []
-    deadline = t0 + timeout
-    while any(p.is_alive() for p in procs.processes) and time.monotonic() < deadline:
-        try:
-            rows.append(results.get(timeout=0.1))
-        except _queue.Empty:
-            pass
-    for p in procs.processes:
-        if p.is_alive():
-            p.kill()
-        p.join(5)
-    while True:
-        try:
-            rows.append(results.get(timeout=0.2))
-        except _queue.Empty:
-            break
-    results.close()
-    for f in procs.error_files:  # spawn's per-process error files (written on a crash)
-        _Path(f).unlink(missing_ok=True)
-    return World(name, rows, [p.exitcode for p in procs.processes], time.monotonic() - t0)

@@ -48,9 +48,9 @@ from typing import Any
 
 import pytest
 import torch
-import torch.multiprocessing as mp
-from conftest import World, free_ports, poll_or_fail, spawn_world, world_cache
+from conftest import poll_or_fail
 from torch import nn
+from worlds import World, child, outcome, run_world, world_cache
 
 from nbrpc import autograd as dist_autograd
 from nbrpc import rpc
@@ -591,63 +591,37 @@ _CTX: dict[str, Any] = {}  # set in the child
 
 
 def _child(rank: int, world: str, port: int, results: Any, sync: dict) -> None:
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
-    _CTX["results"], _CTX["sync"] = results, sync
-    torch.set_num_threads(1)  # 3 processes on 2 cores
-
-    def write(phase: str, name: str, ok: bool = True, **row: Any) -> None:
-        results.put(dict(row, world=world, phase=phase, name=name, rank=rank, ok=ok))
-
-    faulthandler.dump_traceback_later(WATCHDOG_S, exit=True)
-    try:
+    with child(rank, world, port, results) as report:
+        _CTX["results"], _CTX["sync"] = results, sync
+        torch.set_num_threads(1)  # 3 processes on 2 cores
+        faulthandler.dump_traceback_later(WATCHDOG_S, exit=True)
         t0 = time.monotonic()
         opts = rpc.TensorPipeRpcBackendOptions(rpc_timeout=RPC_TIMEOUT_S)
         rpc.init_rpc(NAMES[world][rank], rank=rank, world_size=WORLD, rpc_backend_options=opts)
-        write("-", "<init>", secs=time.monotonic() - t0, pid=os.getpid())
+        report.write("-", "<init>", secs=time.monotonic() - t0, pid=os.getpid())
         for phase in WORLDS[world]:
-            t1 = time.monotonic()
-            try:
-                info, error = phase.body(rank, sync), None
-            except BaseException:
-                info, error = None, traceback.format_exc()
+            info, error, secs = outcome(lambda p=phase: p.body(rank, sync))
             if phase.barrier_after:
                 try:
                     sync["barrier"].wait(PHASE_BARRIER_S)
                 except BaseException:
                     error = (error or "") + traceback.format_exc()
-            write(phase.name, "<body>", ok=error is None, secs=time.monotonic() - t1,
-                  info=info, error=error)
-        t2 = time.monotonic()
-        try:
-            rpc.shutdown(timeout=RPC_TIMEOUT_S)
-            shutdown = None
-        except BaseException:
-            shutdown = traceback.format_exc()
-        write("-", "<shutdown>", ok=shutdown is None, secs=time.monotonic() - t2,
-              error=shutdown)
-    except BaseException:
-        write("?", "<crash>", ok=False, error=traceback.format_exc())
-        raise
-    finally:
-        faulthandler.cancel_dump_traceback_later()
+            report.write(phase.name, "<body>", ok=error is None, secs=secs, info=info,
+                         error=error)
+        _, shutdown, secs = outcome(lambda: rpc.shutdown(timeout=RPC_TIMEOUT_S))
+        report.write("-", "<shutdown>", ok=shutdown is None, secs=secs, error=shutdown)
 
 
 # -- the parent side -----------------------------------------------------------------------
-def _run_world(name: str) -> World:
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    sync = {"barrier": ctx.Barrier(WORLD), "trainers": ctx.Barrier(2), "done": ctx.Event(),
+def _sync(ctx: Any) -> dict:
+    return {"barrier": ctx.Barrier(WORLD), "trainers": ctx.Barrier(2), "done": ctx.Event(),
             "victim_ready": ctx.Event(), "relayed": ctx.Event()}
-    (port,) = free_ports(1)
-    return spawn_world(name, _child, (name, port, results, sync), WORLD, results,
-                       WORLD_TIMEOUT_S)
 
 
 @pytest.fixture(scope="module")
 def worlds() -> Callable[[str], World]:
     """Each world is spawned once, by the first test that asks for it."""
-    return world_cache(_run_world)
+    return world_cache(lambda name: run_world(name, _child, WORLD, WORLD_TIMEOUT_S, _sync))
 
 
 # -- the tests -----------------------------------------------------------------------------

@@ -16,6 +16,7 @@ import time
 
 import pytest
 from conftest import local_group, poll_for
+from targets import sleep_then
 
 from nbrpc.agent.messages import Call
 from nbrpc.errors import RpcTimeoutError
@@ -27,11 +28,6 @@ from nbrpc.transport.unix import UnixReceiver
 
 def _thread_name() -> str:
     return threading.current_thread().name
-
-
-def _sleep_then(seconds: float, value: int) -> int:
-    time.sleep(seconds)
-    return value
 
 
 def _call_back(to: str, x: int) -> int:
@@ -133,7 +129,7 @@ def test_callee_calls_back_from_its_channel_thread(pair) -> None:
 def test_a_timed_out_call_leaves_the_channel_usable(pair) -> None:
     a, b = pair
     with pytest.raises(RpcTimeoutError):
-        a.rpc_sync(1, _sleep_then, (1.0, 1), timeout=0.2)
+        a.rpc_sync(1, sleep_then, (1.0, 1), timeout=0.2)
     # the late answer is read by the I/O thread (the channel was handed over),
     # which then closes the channel: the callee's thread for it leaves
     assert poll_for(lambda: a.late_replies == 1, 5)
@@ -153,7 +149,7 @@ def test_an_interrupted_wait_loses_nothing(pair, monkeypatch) -> None:
         raise KeyboardInterrupt
 
     chan.read = interrupted
-    fut = a.request(1, Call(_sleep_then, (0.2, 42), {}), sync=True)
+    fut = a.request(1, Call(sleep_then, (0.2, 42), {}), sync=True)
     with pytest.raises(KeyboardInterrupt):
         fut.wait()
     assert fut.wait() == 42  # the I/O thread read the answer
@@ -279,7 +275,7 @@ def test_a_timed_out_to_here_with_its_creation_along_loses_neither_answer(
     from nbrpc.rref import remote
     a, b = pair
     _hold_io_flushes(a, monkeypatch)
-    r = remote(a, "b", _sleep_then, (0.5, 3), {}, -1)
+    r = remote(a, "b", sleep_then, (0.5, 3), {}, -1)
     with pytest.raises(RpcTimeoutError):
         r.to_here(timeout=0.2)
     assert poll_for(r.confirmed_by_owner, 5)  # the creation's answer

@@ -20,6 +20,7 @@ import time
 import pytest
 from conftest import free_ports, poll_or_fail
 from fault_util import assert_healthy, finish, health, join, pid, spawn
+from targets import add, sleep_then
 
 from nbrpc import rpc
 from nbrpc.errors import WorkerGoneError
@@ -32,15 +33,6 @@ def hold_gil(seconds: int) -> int:
     """Sleep in C with the GIL held: no other thread of this process runs."""
     ctypes.PyDLL(None).sleep(int(seconds))
     return os.getpid()
-
-
-def add(a: int, b: int) -> int:
-    return a + b
-
-
-def sleep_then(seconds: float, value: int) -> int:
-    time.sleep(seconds)
-    return value
 
 
 def test_gil_holds_and_sigstop_lose_nobody_and_sigkill_is_noticed_fast() -> None:

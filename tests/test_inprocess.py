@@ -14,6 +14,7 @@ import pytest
 import torch
 import zmq
 from conftest import intruder, local_group, poll_for
+from targets import add, sleep_then
 
 from nbrpc import rpc
 from nbrpc.agent import current_agent
@@ -33,10 +34,6 @@ from nbrpc.transport.unix import UnixSender
 
 
 # -- functions that run remotely (importable: pickled by reference) -------------
-def add(a, b=0):
-    return a + b
-
-
 def whoami():
     return current_agent().name
 
@@ -46,11 +43,6 @@ def nested(x, hops):
     if not hops:
         return [whoami(), x]
     return [whoami(), *rpc.rpc_sync(hops[0], nested, args=(x + 1, hops[1:]))]
-
-
-def sleep_then(seconds, value):
-    time.sleep(seconds)
-    return value
 
 
 def fail(msg):

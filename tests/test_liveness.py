@@ -17,19 +17,11 @@ import pytest
 import torch
 import zmq
 from conftest import intruder, local_group, poll_for
+from targets import add, sleep_then
 
 from nbrpc.agent import Agent, AgentOptions
 from nbrpc.errors import RendezvousError, SerializationError, WorkerGoneError
 from nbrpc.transport import ShmRef, new_key, pack
-
-
-def add(a, b=0):
-    return a + b
-
-
-def sleep_then(seconds, value):
-    time.sleep(seconds)
-    return value
 
 
 def unpicklable():

@@ -51,8 +51,8 @@ from typing import Any
 
 import pytest
 import torch
-import torch.multiprocessing as mp
-from conftest import World, free_ports, poll_or_fail, spawn_world, world_cache
+from conftest import poll_or_fail
+from worlds import World, child, outcome, run_world, world_cache
 
 import nbrpc.debug
 from nbrpc import rpc
@@ -524,22 +524,8 @@ _CTX: dict[str, Any] = {}  # set in the child
 
 
 def _child(rank: int, world: str, port: int, results: Any, sync: dict) -> None:
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
-    _CTX["results"] = results
-
-    def write(phase: str, name: str, ok: bool = True, **row: Any) -> None:
-        results.put(dict(row, world=world, phase=phase, name=name, rank=rank, ok=ok))
-
-    def attempt(phase: str, name: str, fn: Callable[[], dict | None]) -> None:
-        t0 = time.monotonic()
-        try:
-            info = fn()
-            write(phase, name, secs=time.monotonic() - t0, info=info)
-        except BaseException:
-            write(phase, name, ok=False, secs=time.monotonic() - t0, error=traceback.format_exc())
-
-    try:
+    with child(rank, world, port, results) as report:
+        _CTX["results"] = results
         for phase in WORLDS[world]:
             faulthandler.dump_traceback_later(PHASE_WATCHDOG_S, exit=True)
             _reset_counts()
@@ -547,51 +533,32 @@ def _child(rank: int, world: str, port: int, results: Any, sync: dict) -> None:
             t0 = time.monotonic()
             opts = rpc.TensorPipeRpcBackendOptions(rpc_timeout=RPC_TIMEOUT_S)
             rpc.init_rpc(NAMES[rank], rank=rank, world_size=WORLD, rpc_backend_options=opts)
-            write(phase.name, "<init>", secs=time.monotonic() - t0, pid=os.getpid())
-            t1 = time.monotonic()
-            try:
-                info, body = phase.body(rank, sync), None
-            except BaseException:
-                info, body = None, traceback.format_exc()
-            body_s = time.monotonic() - t1
+            report.write(phase.name, "<init>", secs=time.monotonic() - t0, pid=os.getpid())
+            info, body, body_s = outcome(lambda p=phase: p.body(rank, sync))
             if phase.barrier_before_shutdown:
                 try:
                     sync["barrier"].wait(WAIT_S)
                 except BaseException:
                     body = (body or "") + traceback.format_exc()
-            t2 = time.monotonic()
-            try:
-                rpc.shutdown(timeout=RPC_TIMEOUT_S)
-                shutdown = None
-            except BaseException:
-                shutdown = traceback.format_exc()
-            write(phase.name, "<shutdown>", ok=shutdown is None,
-                  secs=time.monotonic() - t2, error=shutdown)
-            write(phase.name, "<body>", ok=body is None, secs=body_s, info=info, error=body)
+            _, shutdown, secs = outcome(lambda: rpc.shutdown(timeout=RPC_TIMEOUT_S))
+            report.write(phase.name, "<shutdown>", ok=shutdown is None, secs=secs,
+                         error=shutdown)
+            report.write(phase.name, "<body>", ok=body is None, secs=body_s, info=info,
+                         error=body)
             if phase.after is not None:
-                attempt(phase.name, "<after>", lambda p=phase: p.after(rank))
-    except BaseException:
-        write("?", "<crash>", ok=False, error=traceback.format_exc())
-        raise
-    finally:
-        faulthandler.cancel_dump_traceback_later()
+                report.attempt(phase.name, "<after>", lambda p=phase: p.after(rank))
 
 
 # -- the parent side -----------------------------------------------------------------------
-def _run_world(name: str) -> World:
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    sync = {"barrier": ctx.Barrier(WORLD), "killed": ctx.Event(), "done": ctx.Event(),
+def _sync(ctx: Any) -> dict:
+    return {"barrier": ctx.Barrier(WORLD), "killed": ctx.Event(), "done": ctx.Event(),
             "victim_ready": ctx.Event()}
-    (port,) = free_ports(1)
-    return spawn_world(name, _child, (name, port, results, sync), WORLD, results,
-                       WORLD_TIMEOUT_S)
 
 
 @pytest.fixture(scope="module")
 def worlds() -> Callable[[str], World]:
     """Each world is spawned once, by the first test that asks for it."""
-    return world_cache(_run_world)
+    return world_cache(lambda name: run_world(name, _child, WORLD, WORLD_TIMEOUT_S, _sync))
 
 
 # -- the tests -----------------------------------------------------------------------------

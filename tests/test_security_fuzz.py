@@ -23,6 +23,7 @@ import time
 import pytest
 import zmq
 from conftest import intruder, local_group, poll_for
+from targets import add
 
 from nbrpc.agent.messages import CONTROL, REQUEST, Heartbeat
 from nbrpc.transport import frames as fr
@@ -45,10 +46,6 @@ class _Evil:
 
 
 EVIL = pickle.dumps(_Evil(), protocol=5)
-
-
-def add(a, b):
-    return a + b
 
 
 def _rss() -> int:

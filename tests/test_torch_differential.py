@@ -32,6 +32,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 from conftest import free_ports
+from targets import sleep_then
 
 pytestmark = pytest.mark.torch_rpc
 
@@ -89,11 +90,6 @@ class _CustomError(Exception):
 
 def _raise_custom(msg: str):
     raise _CustomError(msg)
-
-
-def _sleep_then(secs: float, value):
-    time.sleep(secs)
-    return value
 
 
 class _Counter:
@@ -289,7 +285,7 @@ def collect_all(rpc):
 def timeout_error(rpc):
     t0 = time.monotonic()
     try:
-        rpc.rpc_sync("w1", _sleep_then, args=(1.0, "late"), timeout=0.3)
+        rpc.rpc_sync("w1", sleep_then, args=(1.0, "late"), timeout=0.3)
     except Exception as e:
         return {"RuntimeError": isinstance(e, RuntimeError),
                 "fast": time.monotonic() - t0 < 0.9}
