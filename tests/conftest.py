@@ -19,10 +19,13 @@ from nbrpc.transport import new_key
 @contextmanager
 def local_group(names: list[str], threads: int = 4, rpc_timeout: float = 10.0,
                 dynamic: bool = False, per_rank: dict[int, dict] | None = None,
+                key: bytes | None = None, shutdown_errors: list | None = None,
                 **options) -> Iterator[list[Agent]]:
     """Agents ``names`` (rank = position) in this process, joined as one group;
-    ``options`` are more :class:`AgentOptions` fields, ``per_rank`` more for some ranks."""
-    key = new_key()
+    ``options`` are more :class:`AgentOptions` fields, ``per_rank`` more for some ranks.
+    ``key``: the group key (a fresh one by default); ``shutdown_errors``: where
+    what each agent's graceful shutdown raised goes (else it is only logged)."""
+    key = key or new_key()
     opts = lambda r: AgentOptions(num_worker_threads=threads, rpc_timeout=rpc_timeout,  # noqa: E731
                                   **{**options, **(per_rank or {}).get(r, {})})
     ws = None if dynamic else len(names)
@@ -38,7 +41,15 @@ def local_group(names: list[str], threads: int = 4, rpc_timeout: float = 10.0,
     try:
         yield agents
     finally:
-        stoppers = [threading.Thread(target=a.shutdown, kwargs={"timeout": 10}) for a in agents]
+        def stop(agent: Agent) -> None:
+            try:
+                agent.shutdown(timeout=10)
+            except Exception as e:
+                if shutdown_errors is None:
+                    raise
+                shutdown_errors.append(e)
+
+        stoppers = [threading.Thread(target=stop, args=(a,)) for a in agents]
         for t in stoppers:
             t.start()
         for t in stoppers:
