@@ -85,46 +85,24 @@ def victim(encrypt: bool) -> Iterator[tuple[subprocess.Popen, str, int]]:
             proc.wait(timeout=10)
 
 
-def _stream(host: str, port: int, mechanism: bytes, declared: int, send: int,
-            conns: int = 1) -> int:
-    """Open ``conns`` connections, each a greeting and one command frame that
-    declares ``declared`` bytes, then stream up to ``send`` bytes on each
-    (round robin, 1 MB at a time); returns the bytes the victim took. The
-    connections stay open until the caller closes them (returned via
-    ``_open``)."""
-    socks = []
-    taken = 0
+@contextmanager
+def _stream(host: str, port: int, mechanism: bytes, declared: int,
+            send: int) -> Iterator[int]:
+    """A connection sending a greeting and one command frame that declares
+    ``declared`` bytes, then up to ``send`` bytes of it, 1 MB at a time; yields
+    the bytes the victim took, with the connection still open (closed after)."""
     block = bytes(1 << 20)
-    try:
-        for _ in range(conns):
-            s = socket.create_connection((host, port), timeout=5)
-            s.sendall(_greeting(mechanism) + b"\x06" + declared.to_bytes(8, "big"))
-            socks.append(s)
-        for _ in range(send // len(block)):
-            for s in list(socks):
-                try:
-                    s.settimeout(2)
-                    s.sendall(block)
-                    taken += len(block)
-                except OSError:  # refused and closed by the victim
-                    socks.remove(s)
-                    s.close()
-            if not socks:
-                break
-        _open.extend(socks)
-        socks = []
-        return taken
-    finally:
-        for s in socks:
-            s.close()
-
-
-_open: list[socket.socket] = []
-
-
-def _close_all() -> None:
-    while _open:
-        _open.pop().close()
+    taken = 0
+    with socket.create_connection((host, port), timeout=5) as s:
+        s.sendall(_greeting(mechanism) + b"\x06" + declared.to_bytes(8, "big"))
+        s.settimeout(2)
+        try:
+            for _ in range(send // len(block)):
+                s.sendall(block)
+                taken += len(block)
+        except OSError:  # refused and closed by the victim
+            pass
+        yield taken
 
 
 @pytest.mark.parametrize("encrypt", [False, True], ids=["plain", "curve"])
@@ -133,9 +111,8 @@ def test_a_large_handshake_frame_is_refused_unread(encrypt: bool) -> None:
     with victim(encrypt) as (proc, host, port):
         before = _rss_mib(proc.pid)
         t = time.perf_counter()
-        taken = _stream(host, port, mechanism, declared=512 << 20, send=512 << 20)
-        grew = _rss_mib(proc.pid) - before
-        _close_all()
+        with _stream(host, port, mechanism, declared=512 << 20, send=512 << 20) as taken:
+            grew = _rss_mib(proc.pid) - before
         print(f"\n{mechanism.decode()}: one handshake frame declaring 512 MB: the victim "
               f"took {taken >> 20} MB of it in {time.perf_counter() - t:.2f} s and grew by "
               f"{grew} MiB")

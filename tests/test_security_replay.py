@@ -30,6 +30,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import pytest
+import zmq
 from conftest import free_ports, intruder, local_group, poll_or_fail
 
 from nbrpc.agent import Agent
@@ -63,8 +64,8 @@ def group(key: bytes, ports: list[int], shutdown_s: list[float]) -> Iterator[lis
 
 def _replay(agent: Agent, frames: list) -> None:
     with intruder(agent.address, agent._key) as sock:  # (a recorded connection token)
+        sock.setsockopt(zmq.LINGER, 2000)  # (close waits, at most 2 s, for it to leave)
         sock.send_multipart(frames)
-        time.sleep(0.2)  # (the socket's linger is 0: let it leave before closing)
 
 
 def test_a_recorded_request_runs_once_in_one_run_on_one_member() -> None:

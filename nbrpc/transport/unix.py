@@ -50,13 +50,14 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
+from .frames import MAX_FRAMES
+
 log = logging.getLogger(__name__)
 
 MAGIC = b"nbrpc-u1"
 CHANNEL_MAGIC = b"nbrpc-c1"  # a caller thread's own channel (:mod:`.channel`)
 HELLO_TIMEOUT = 10.0  # seconds a new connection has to authenticate
 MAX_UNAUTHENTICATED = 64  # connections waiting to authenticate, at most
-MAX_FRAMES = 1 << 16  # frames per message (one head + one per buffer)
 MAX_QUEUED = 100_000  # messages a sender queues while its peer does not read
 _IOV_MAX = 1000  # buffers per sendmsg call (the kernel's limit is 1024)
 SEND_BUFFER = 4 << 20  # bytes a socket may hold unread (shared memory takes 2 MiB and up)
