@@ -38,6 +38,10 @@ def local_group(names: list[str], threads: int = 4, rpc_timeout: float = 10.0,
     for t in starters:
         t.join(15)
     assert all(a.state == "ready" for a in agents), [a.state for a in agents]
+    if dynamic:  # a joiner is ready once it has joined; earlier members learn of it later
+        everyone = set(names)
+        assert poll_for(lambda: all(everyone <= set(a.members.by_name) for a in agents),
+                        timeout=10), [sorted(a.members.by_name) for a in agents]
     try:
         yield agents
     finally:

@@ -318,10 +318,14 @@ def test_a_real_trace_filters_and_answers_clicks(lab, page, shots, opened) -> No
     assert {"call", "reply", "autograd"} <= set(kinds), kinds
     n = arrows.count()
     shown = lambda: sum(arrows.nth(i).is_visible() for i in range(n))  # noqa: E731
-    assert n >= 8 and shown() == n
+    assert n >= 8
+    # (the last arrows may still be drawing in: poll, rather than look once)
+    wait_until(lambda: shown() == n, 10, lambda: f"{shown()} of {n} arrows visible")
     trace.locator(".nbrpc-filter[data-group=kind] input[data-value=reply]").uncheck()
     replies = trace.locator('.nbrpc-msg[data-f-kind="reply"]').count()
-    assert 0 < replies < n and shown() == n - replies
+    assert 0 < replies < n
+    wait_until(lambda: shown() == n - replies, 10,
+               lambda: f"{shown()} arrows visible with {replies} replies of {n} hidden")
     trace.locator(".nbrpc-filter[data-group=kind] input[data-value=reply]").check()
     trace.locator('.nbrpc-msg[data-f-kind="autograd"]').first.click()
     wait_text(trace.locator(".nbrpc-panel"), "msg_id")
