@@ -13,13 +13,12 @@ NBVAL  := --nbval --nbval-current-env --nbval-sanitize-with notebooks/nbval_sani
           --nbval-cell-timeout=90
 
 # The browser tier (tests/test_browser.py) drives Debian's Chromium; it never
-# downloads browser builds. `browser-deps` installs the Debian package when it
-# is missing and we may (root, or password-less sudo, with apt-get); if that
-# fails the build goes on and the tier skips, printing why (-rs).
+# downloads browser builds. `system-deps` (below) installs it when missing;
+# a tier that cannot run skips, printing why (-rs).
 CHROMIUM ?= /usr/bin/chromium
 PYTEST   := $(PY) -m pytest -q -rs
 
-.PHONY: lab test test-fast test-notebooks test-torch-suites test-browser screenshots browser-deps lint bench clean
+.PHONY: lab test test-fast test-notebooks test-torch-suites test-browser test-slurm screenshots system-deps browser-deps lint bench clean
 
 # $(call install,EXTRAS): the environment, torch first (pinned: an unpinned torch
 # would pull gigabytes of CUDA packages), then nbrpc with EXTRAS.
@@ -52,13 +51,13 @@ lab: $(LAB_STAMP)
 	done
 	$(PY) tools/lab.py $(LAB_DIR) $(LAB_ARGS)
 
-test: $(STAMP) browser-deps
+test: $(STAMP) system-deps
 	$(PY) -m ruff check nbrpc tests benchmarks examples tools
 	$(PYTEST)
 	$(PYTEST) $(NBVAL) notebooks/
 
 test-fast: $(STAMP)
-	$(PYTEST) -m "not multiprocess and not torch_rpc and not cluster and not netns and not browser and not faults and not binder and not torch_suites and not lab"
+	$(PYTEST) -m "not multiprocess and not torch_rpc and not cluster and not netns and not slurm and not mpi and not browser and not faults and not binder and not torch_suites and not lab"
 
 test-notebooks: $(STAMP)
 	$(PYTEST) $(NBVAL) notebooks/
@@ -69,6 +68,10 @@ test-notebooks: $(STAMP)
 test-torch-suites: $(STAMP)
 	$(PYTEST) tests/test_torch_suites.py
 
+# The Slurm tier only: a real Slurm cluster on network-namespace hosts (root).
+test-slurm: $(STAMP) system-deps
+	$(PYTEST) -s -m slurm tests/test_slurm.py
+
 # The widgets in JupyterLab + Chromium only (tutorials 07, 08 and tests/browser/*.ipynb).
 test-browser: $(STAMP) browser-deps
 	$(PYTEST) -s tests/test_browser.py
@@ -77,23 +80,34 @@ test-browser: $(STAMP) browser-deps
 screenshots: $(STAMP) browser-deps
 	NBRPC_SCREENSHOTS=$(CURDIR)/docs/img $(PYTEST) tests/test_browser.py
 
-browser-deps:
-	@if [ -n "$$NBRPC_CHROMIUM" ] || [ -x "$(CHROMIUM)" ] || command -v chromium >/dev/null 2>&1; then \
+# Debian packages the test tiers drive: Chromium (browser tier), Slurm and munge
+# (slurm tier), Open MPI (mpi tier). Installed when missing and we may (root, or password-less sudo,
+# with apt-get); if that fails the build goes on and those tiers skip, saying why.
+system-deps:
+	@missing=; \
+	{ [ -n "$$NBRPC_CHROMIUM" ] || [ -x "$(CHROMIUM)" ] || command -v chromium >/dev/null 2>&1; } \
+	  || missing="chromium fonts-liberation"; \
+	{ command -v slurmctld >/dev/null 2>&1 && command -v munged >/dev/null 2>&1; } \
+	  || missing="$${missing:+$$missing }slurm-wlm munge"; \
+	command -v mpiexec >/dev/null 2>&1 || missing="$${missing:+$$missing }openmpi-bin"; \
+	if [ -z "$$missing" ]; then \
 	  exit 0; \
 	elif ! command -v apt-get >/dev/null 2>&1; then \
-	  echo "browser-deps: no chromium and no apt-get: the browser tier will skip" \
-	       "(install Chromium, or set NBRPC_CHROMIUM to one)"; \
+	  echo "system-deps: missing $$missing and no apt-get: their test tiers will skip"; \
 	else \
 	  if [ "$$(id -u)" = 0 ]; then SUDO=; \
 	  elif command -v sudo >/dev/null 2>&1 && sudo -n true 2>/dev/null; then SUDO="sudo -n"; \
-	  else echo "browser-deps: no chromium, and apt-get needs root: the browser tier will" \
-	            "skip (run: sudo apt-get install -y chromium)"; exit 0; fi; \
-	  echo "browser-deps: installing Debian's chromium with apt-get"; \
-	  { $$SUDO apt-get update -qq && \
-	    DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq --no-install-recommends \
-	      chromium fonts-liberation; } \
-	  || echo "browser-deps: apt-get could not install chromium: the browser tier will skip"; \
+	  else echo "system-deps: missing $$missing, and apt-get needs root: their test tiers" \
+	            "will skip (run: sudo apt-get install -y $$missing)"; exit 0; fi; \
+	  echo "system-deps: installing Debian's $$missing with apt-get"; \
+	  export DEBIAN_FRONTEND=noninteractive; \
+	  $$SUDO apt-get install -y -qq --no-install-recommends $$missing >/dev/null 2>&1 \
+	  || { $$SUDO apt-get update -qq && \
+	       $$SUDO apt-get install -y -qq --no-install-recommends $$missing; } \
+	  || echo "system-deps: apt-get could not install $$missing: their test tiers will skip"; \
 	fi
+
+browser-deps: system-deps
 
 lint: $(STAMP)
 	$(PY) -m ruff check nbrpc tests benchmarks examples tools

@@ -121,6 +121,20 @@ def test_a_dead_worker_is_highlighted_with_why() -> None:
     assert "1 ready, 1 dead" in page
 
 
+def test_a_batch_job_is_shown_in_the_note_and_the_details() -> None:
+    s = status()
+    s["worker1"].job = "Slurm job 17 RUNNING on n1"
+    s["worker2"].state, s["worker2"].job = "dead", "Slurm job 18 CANCELLED"
+    s["worker2"].detail = "died (its connection closed)"
+    page = cluster_html(s)
+    row = lambda n: re.search(rf'<tr data-key="worker:{n}"[^>]*>.*?</tr>', page).group(0)  # noqa: E731
+    assert cells(row("worker1"))[-1] == "Slurm job 17 RUNNING on n1"
+    assert cells(row("worker2"))[-1] == "died (its connection closed)"  # why it died first
+    panel = cluster_view._details(s["worker2"], None)
+    assert "<td>batch job</td><td>Slurm job 18 CANCELLED</td>" in panel
+    assert "<td>note</td><td>died (its connection closed)</td>" in panel
+
+
 def headers(page: str) -> list[str]:
     return re.findall(r"<th(?=[ >])[^>]*>([^<]*)</th>", page)
 

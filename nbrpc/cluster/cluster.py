@@ -36,7 +36,7 @@ from ..agent.agent import _Default
 from ..errors import AlreadyInitializedError, NbrpcError
 from ..transport import local, new_key
 from . import engine as engine_side
-from . import guard
+from . import guard, jobs
 from .ipp import ClusterError, LoopThread, host_for_rank, kill_family, routable_ip
 from .progress import Progress, make_progress
 from .status import ClusterStatus, WorkerStatus, fill_row
@@ -44,6 +44,8 @@ from .status import ClusterStatus, WorkerStatus, fill_row
 log = logging.getLogger(__name__)
 
 _LOCAL_LAUNCHERS = ("fork", "local")
+STOP_AGENT_TIMEOUT = 5.0  # seconds for an engine to stop its agent (mpi: see _take_down)
+STATUS_QUEUE_PERIOD = 2.0  # seconds between squeue runs for status() (a live view: 2 Hz)
 
 
 @dataclass
@@ -58,6 +60,8 @@ class _Worker:
     procs: list[Any] = field(default_factory=list)  # psutil.Process of each engine launched
     agent_call: Any = None  # ipyparallel AsyncResult of start_agent
     exited: bool = False
+    job: jobs.Job | None = None  # its batch job (slurm, pbs, ... launchers)
+    place: str | None = None  # the host a restart puts it back on (mpi launcher)
 
 
 class Cluster:
@@ -140,12 +144,22 @@ class Cluster:
         self._controller_proc: Any = None
         self._used: set[Any] = set()  # identities of every engine ever given a worker
         self._lock = threading.RLock()
+        self._jobs_asked = 0.0  # when squeue was last run (monotonic)
         self.start_seconds: float | None = None
 
     # -- properties ------------------------------------------------------------
     @property
     def _local(self) -> bool:
         return isinstance(self.launcher, str) and self.launcher in _LOCAL_LAUNCHERS
+
+    @property
+    def _mpi(self) -> bool:
+        """Workers started together by one ``mpiexec -n N`` (see :meth:`_launch_mpi`)."""
+        if isinstance(self.launcher, str):
+            return self.launcher.lower() in ("mpi", "mpiexec")
+        from ipyparallel.cluster.launcher import MPIEngineSetLauncher
+
+        return isinstance(self.launcher, type) and issubclass(self.launcher, MPIEngineSetLauncher)
 
     @property
     def launcher_name(self) -> str:
@@ -255,6 +269,9 @@ class Cluster:
 
     def _launch(self, ranks: list[tuple[str, int]]) -> None:
         assert self._loop is not None
+        if self._mpi:
+            self._launch_mpi(ranks)
+            return
         for name, rank in ranks:
             w = self.workers.get(name) or _Worker(name, rank)
             self.workers[name] = w
@@ -263,10 +280,57 @@ class Cluster:
             self._loop.run(self._ipp.start_engines, 1, name, timeout=self.timeout,
                            **self._engine_kwargs(w))
             es = self._ipp.engines[name]
+            w.job = jobs.job_of(es)
             es.on_stop(lambda data, w=w, es=es: self._engine_set_stopped(w, es, data))
             for launcher in getattr(es, "launchers", {}).values():
                 if getattr(launcher, "process", None) is not None:
                     w.procs.append(launcher.process)
+
+    def _launch_mpi(self, ranks: list[tuple[str, int]]) -> None:
+        """One ``mpiexec -n N`` for all of ``ranks``, so that MPI spreads them over
+        its hosts as it spreads any job's ranks. Every process runs
+        :mod:`~nbrpc.cluster.mpi_engine`, which picks its worker by its MPI rank
+        and registers under the worker's rank as engine id. A single worker
+        restarted goes back on its host (``-host``)."""
+        from . import mpi_engine  # (not at import: ``-m nbrpc.cluster.mpi_engine`` runs it)
+
+        assert self._loop is not None
+        group = []
+        for name, rank in ranks:
+            w = self.workers.get(name) or _Worker(name, rank)
+            self.workers[name] = w
+            w.engine_id, w.agent_call, w.exited, w.engine_ident = None, None, False, None
+            group.append(w)
+        set_id = f"mpi-{group[0].name}" + (f"-{group[-1].name}" if len(group) > 1 else "")
+        while set_id in self._ipp.engines:  # a worker restarted more than once
+            set_id += "+"
+        kwargs = self._engine_kwargs(group[0])
+        kwargs["environment"].pop(engine_side.WORKER_ENV)  # each process finds its own
+        kwargs["engine_args"] = [a for a in kwargs["engine_args"]
+                                 if not a.startswith("--IPEngine.id=")]
+        cmd = list(kwargs.get("engine_cmd") or [sys.executable, "-m", "ipyparallel.engine"])
+        if cmd[-2:] != ["-m", "ipyparallel.engine"]:
+            raise ClusterError(f"with launcher='mpi', engine_cmd must end in '-m "
+                               f"ipyparallel.engine' (nbrpc runs its MPI wrapper in its "
+                               f"place), got {cmd}")
+        workers = ",".join(f"{w.name}={w.rank}" for w in group)
+        kwargs["engine_cmd"] = cmd[:-2] + ["-m", "nbrpc.cluster.mpi_engine",
+                                           "--workers", workers]
+        mpi_args = list(kwargs.get("mpi_args", []))
+        if len(group) == 1 and group[0].place:
+            mpi_args += ["-host", group[0].place]
+        # ranks on other hosts get the engine's environment only if mpiexec is told
+        names = {*kwargs["environment"], *mpi_engine.IPP_VARIABLES}
+        mpiexec = (kwargs.get("mpi_cmd") or ["mpiexec"])[0]
+        kwargs["mpi_args"] = mpi_engine.forwarded(names, mpiexec) + mpi_args
+        self._loop.run(self._ipp.start_engines, len(group), set_id, timeout=self.timeout,
+                       **kwargs)
+        es = self._ipp.engines[set_id]
+        for w in group:
+            w.engine_set, w.job = set_id, None
+            es.on_stop(lambda data, w=w, es=es: self._engine_set_stopped(w, es, data))
+            if getattr(es, "process", None) is not None:
+                w.procs.append(es.process)  # mpiexec: shared by the group
 
     def _engine_set_stopped(self, w: _Worker, es: Any, data: Any) -> None:
         """An engine process exited (on the loop thread): tell the group at once."""
@@ -295,8 +359,14 @@ class Cluster:
         options = {"num_worker_threads": self.threads, "rpc_timeout": self.rpc_timeout,
                    "heartbeat_interval": self.heartbeat,
                    "failure_timeout": self.failure_timeout, "encrypt": self.encrypt}
+        shown = ""
         while pending:
             self._assign_engines(client, pending)
+            if self._ask_queue([self.workers[n] for n in pending]):
+                note = self._queue_note(pending)
+                if note and note != shown:
+                    progress.note(note)
+                shown = note
             for name in sorted(pending):
                 w = self.workers[name]
                 if w.engine_id is not None and w.agent_call is None:
@@ -313,11 +383,44 @@ class Cluster:
                     pending.discard(name)
                     progress.update(1, f"{name} ready")
             if time.monotonic() > deadline:
+                self._ask_queue([self.workers[n] for n in pending], every=0)
+                queued = self._queue_note(pending, waiting_only=True)
+                if queued:  # still in the batch queue: the queue's reason is the answer
+                    raise ClusterError(
+                        f"{sorted(pending)} not ready within {self.timeout:g} s: their jobs "
+                        f"are still waiting in the queue ({queued}). Raise timeout=... to "
+                        "wait longer, or change the queue/partition or the resources asked")
                 raise ClusterError(
                     f"{sorted(pending)} not ready within {self.timeout:g} s (engines registered: "
                     f"{sorted(client.ids)}); raise timeout=..., or look at the engines' output:\n"
                     + "\n".join(self._engine_output(n) for n in sorted(pending)))
             time.sleep(0.01)
+
+    def _ask_queue(self, workers: list[_Worker], every: float = 1.0) -> bool:
+        """Refresh the Slurm jobs of ``workers`` from ``squeue``, at most once per
+        ``every`` seconds; True when it asked."""
+        ids = [w.job.job_id for w in workers if w.job is not None and w.job.system == "slurm"]
+        now = time.monotonic()
+        if not ids or now - self._jobs_asked < every:
+            return False
+        self._jobs_asked = now
+        seen = jobs.slurm_jobs(ids)
+        for w in workers:
+            if w.job is not None and w.job.job_id in seen:
+                w.job = seen[w.job.job_id]
+        return True
+
+    def _queue_note(self, names: set[str], waiting_only: bool = False) -> str:
+        """'worker1: Slurm job 12 PENDING (Resources); ...' for the workers whose
+        job does not run yet (``waiting_only``), or whose job's state is known."""
+        notes = []
+        for name in sorted(names, key=lambda n: self.workers[n].rank):
+            job = self.workers[name].job
+            if job is None or not job.state:
+                continue
+            if not waiting_only or job.state in ("PENDING", "CONFIGURING", "REQUEUED"):
+                notes.append(f"{name}: {job}")
+        return "; ".join(notes)
 
     def _assign_engines(self, client: Any, pending: set[str]) -> None:
         """Match newly registered ipyparallel engines to workers (engine id = rank,
@@ -381,7 +484,7 @@ class Cluster:
             self._require_running("restart")
             w = self._worker(name)
             self._take_down(w, dead=True, why="was restarted")  # its RRefs are released
-            w.pid = w.host = None
+            w.place, w.pid, w.host = w.host, None, None
             self._bring_up([(name, w.rank)], f"restarting {name}",
                            self.progress if progress is None else progress)
 
@@ -400,11 +503,26 @@ class Cluster:
         """Tell the group ``w`` is gone (``dead``: as a failure), then stop its engine."""
         assert self.agent is not None and self._loop is not None
         self.agent.expel(w.rank, dead=dead, why=why)
+        shared = any(o is not w and o.engine_set == w.engine_set and not o.exited
+                     for o in self.workers.values())
+        if shared and w.engine_id is not None and self.client is not None:
+            # One process of an mpiexec that runs other workers too: it cannot be
+            # killed (mpiexec would abort them all), and after the shutdown below
+            # Open MPI holds it in MPI_Finalize until they end. Its agent, still
+            # heartbeating meanwhile, would be taken back: stop it first.
+            try:
+                self.client[w.engine_id].apply_async(engine_side.stop_agent).get(
+                    STOP_AGENT_TIMEOUT)
+            except Exception as e:  # noqa: BLE001 - gone already, or wedged: shut it down
+                log.warning("stopping the agent of %r in its engine: %s", w.name, e)
         if w.engine_id is not None and self.client is not None:
             try:  # frees the engine id at the controller at once
                 self.client.shutdown(targets=[w.engine_id], block=False)
             except Exception as e:  # noqa: BLE001 - it may be dead already
                 log.debug("ipyparallel shutdown of %s: %s", w.name, e)
+        if shared:
+            w.procs.clear()
+            return
         if w.engine_set in self._ipp.engines:
             try:
                 self._loop.run(self._ipp.stop_engines, w.engine_set, timeout=10)
@@ -485,6 +603,10 @@ class Cluster:
         if agent is not None and state == "running":
             rows.append(_driver_row(agent))
             workers = sorted(list(self.workers.values()), key=lambda w: w.rank)
+            # a worker found gone while its job looked alive: ask now what befell the job
+            stale = any(w.job is not None and w.job.state in ("PENDING", "RUNNING")
+                        and agent.gone_why(w.rank) for w in workers)
+            self._ask_queue(workers, every=0 if stale else STATUS_QUEUE_PERIOD)
             futs = {}
             for w in workers:
                 if agent.is_member(w.rank):
@@ -503,7 +625,8 @@ class Cluster:
         return views.make("cluster", self, **options)
 
     def _row(self, w: _Worker, agent: Agent, fut: Any) -> WorkerStatus:
-        row = WorkerStatus(w.name, w.rank, host=w.host, pid=w.pid, threads=self.threads)
+        row = WorkerStatus(w.name, w.rank, host=w.host, pid=w.pid, threads=self.threads,
+                           job=str(w.job or ""))
         gone = agent.gone_why(w.rank)
         if fut is None:
             row.state = "dead" if (gone or w.exited) else "starting"

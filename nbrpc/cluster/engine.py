@@ -55,6 +55,16 @@ def start_agent(names: dict[str, int], fallback: str, coordinator: str, key: byt
             "address": agent.address}
 
 
+def stop_agent() -> bool:
+    """Stop this engine's agent, leaving the engine running (run through ipyparallel
+    by the driver, for a worker whose process outlives its place in the group:
+    one rank of an ``mpiexec`` of several workers). True if there was one."""
+    if not _agent:
+        return False
+    _agent.pop().shutdown(graceful=False)
+    return True
+
+
 def _exit_without_driver(agent: Agent, gone: int) -> None:
     """A member-gone hook (on the agent's I/O thread): once the driver has gone
     (declared dead, or this worker evicted), end the engine, an orphan now."""

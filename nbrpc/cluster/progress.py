@@ -47,6 +47,10 @@ class Progress:
         self.prepared += not step
         self.show(message)
 
+    def note(self, message: str) -> None:
+        """Say something while waiting (a batch job still queued) without a step."""
+        self.show(message)
+
     @property
     def fraction(self) -> float:
         """How far the start has come, from 0 to 1."""

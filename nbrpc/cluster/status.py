@@ -32,6 +32,7 @@ class WorkerStatus:
     messages: int = 0  # messages sent + received since its agent started (heartbeats too)
     bytes_moved: int = 0  # bytes sent + received since its agent started
     detail: str = ""
+    job: str = ""  # its batch job, as last seen (e.g. "Slurm job 17 RUNNING on n1")
 
 
 @dataclass

@@ -94,7 +94,7 @@ def _row(w: WorkerStatus, rate: float | None, buttons: bool, selected: bool,
     counters = varies(
         f"<td>{w.busy_threads}/{w.threads}</td><td>{w.in_flight}</td>"
         f"<td>{w.owned_rrefs}</td><td>{fmt_bytes(w.owned_bytes)}</td>"
-        f"<td>{_rate(rate)}</td><td>{esc(w.detail)}</td>")
+        f"<td>{_rate(rate)}</td><td>{esc(w.detail or w.job)}</td>")
     action = ""
     if buttons:  # a column of its own, after the note
         if w.rank == 0:
@@ -164,6 +164,8 @@ def _details(w: WorkerStatus, rate: float | None) -> str:
               ("calls in flight", w.in_flight), ("owned RRefs", w.owned_rrefs),
               ("bytes owned", fmt_bytes(w.owned_bytes)), ("messages", f"{w.messages:,}"),
               ("messages/s", _rate(rate)), ("bytes moved", fmt_bytes(w.bytes_moved))]
+    if w.job:
+        fields.append(("batch job", w.job))
     if w.detail:
         fields.append(("note", w.detail))
     rows = "".join(f"<tr><td>{esc(k)}</td><td>{esc(v)}</td></tr>" for k, v in fields)
