@@ -5,7 +5,7 @@ What is checked in the page (not in Python): the anywidget roots appear and no
 "Error displaying widget"; a button press reaches Python and changes the
 drawing; a click on a mark fills the side panel; the tutorials 07 and 08 run
 without errors, clicking an RRef shows why it is alive and Step moves the
-highlighted stage; a 16-worker, 2,000-RRef graph renders (its time, read from
+highlighted stage; a 32-worker, 10,000-RRef graph renders (its time, read from
 the ``data-render-ms`` attribute the front end sets, is printed, not asserted);
 the five views of the README (cluster, RRef graph and owner map from tutorial
 07, the stepper from 08, the trace fixture's trace) read well in a 900 px
@@ -43,7 +43,7 @@ REPO = Path(__file__).resolve().parent.parent
 TUTORIALS = {"rref": "07_debugging_rref_lifetimes.ipynb",
              "backward": "08_stepping_distributed_backward.ipynb"}
 # The fixture notebooks (the view base, real data from one agent, a real trace,
-# 16 members x 2,000 RRefs), opened besides the tutorials; each says what it holds.
+# 33 members x 10,000 RRefs), opened besides the tutorials; each says what it holds.
 FIXTURES = Path(__file__).resolve().parent / "browser"
 NOTEBOOK_TIMEOUT = 300  # s for Run All of one notebook on a busy 2-core machine
 COLUMN = 900  # px: the notebook column the views must read in (its output area)
@@ -435,13 +435,13 @@ def test_b_tutorial_08_step_the_backward_pass(lab, page, shots, opened) -> None:
     assert_readable(problems)
 
 
-# -- (c) big inputs: 16 workers x 2,000 RRefs ---------------------------------------
+# -- (c) big inputs: 32 workers (and the driver) x 10,000 RRefs ------------------------
 def test_c_big_graph_owner_map_and_cluster_render_every_lane(lab, page, shots, opened) -> None:
     need_view("rref_graph_view")
     need_view("owner_map_view")
     need_view("cluster_view")
     nb, saved = run(lab, page, "big_graph.ipynb", opened)
-    assert code_cells(saved)[0]["outputs"][0]["data"]["text/plain"] == "(2000, 2200)"
+    assert code_cells(saved)[0]["outputs"][0]["data"]["text/plain"] == "(10000, 11000)"
     wait_until(lambda: nb.views().count() == 3, 60, lambda: f"3 views, {nb.views().count()}")
     for i, name in enumerate(("big_rref_graph", "big_owner_map", "big_cluster")):
         view = nb.views().nth(i)
@@ -450,7 +450,7 @@ def test_c_big_graph_owner_map_and_cluster_render_every_lane(lab, page, shots, o
         labels = set(view.locator(".nbrpc-main").locator("text, td, th, b").evaluate_all(
             "els => els.map(e => Array.from(e.childNodes).filter(n => n.nodeType === 3)"
             "          .map(n => n.nodeValue).join('').trim())"))  # own text, not <title>'s
-        missing = [w for w in ["driver"] + [f"worker{k}" for k in range(1, 16)]
+        missing = [w for w in ["driver"] + [f"worker{k}" for k in range(1, 33)]
                    if w not in labels]
         assert not missing, f"{name}: lanes missing for {missing}"
         print(f"\n{name}: data-render-ms={ms} (set innerHTML), {layout_ms:.1f} ms with "

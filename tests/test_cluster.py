@@ -363,6 +363,7 @@ def test_sigint_interrupts_a_waiting_rpc_sync(cluster: Cluster) -> None:
 
 # -- own clusters (the shared one is stopped): start/stop cycles --------------
 CYCLES = 20
+RSS_GROWTH_MIB = 24  # the driver over those cycles: flat, but for allocator noise
 
 
 @pytest.mark.timeout(300)
@@ -395,6 +396,7 @@ def test_twenty_start_stop_cycles_leak_nothing(own_cluster: None) -> None:
     # process): the baseline is taken after it.
     procs, profile, addresses, socket_dir = cycle(0)
     base_threads, base_fds = threading.active_count(), me.num_fds()
+    base_rss = me.memory_info().rss
     for i in range(CYCLES):
         if i:
             procs, profile, addresses, socket_dir = cycle(i)
@@ -408,6 +410,10 @@ def test_twenty_start_stop_cycles_leak_nothing(own_cluster: None) -> None:
         [t.name for t in threading.enumerate()]
     assert poll_for(lambda: me.num_fds() <= base_fds + 2, 5), (me.num_fds(), base_fds)
     assert set(me.children(recursive=True)) - earlier == set()
+    grown = (me.memory_info().rss - base_rss) / 2**20
+    print(f"\ndriver RSS over {CYCLES} start/stop cycles: {base_rss / 2**20:.0f} MiB, "
+          f"then {grown:+.1f} MiB")
+    assert grown < RSS_GROWTH_MIB, f"the driver grew {grown:.1f} MiB over {CYCLES} cycles"
 
 
 # -- own clusters: the view's Stop button, and live refresh ending with the cluster --

@@ -56,7 +56,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
@@ -94,12 +94,13 @@ def _ip(*args: str, probe: bool = False) -> str:
 class Net:
     prefix: str  # unique per run: nbrpc-<pid>-<hex>
     created: list[str]  # namespaces made so far (deleted in reverse)
+    hosts: dict[str, int] = field(default_factory=lambda: dict(HOSTS))  # host -> octet
 
     def ns(self, host: str) -> str:
         return f"{self.prefix}-{host}"
 
     def addr(self, host: str) -> str:
-        return f"{SUBNET}.{HOSTS[host]}"
+        return f"{SUBNET}.{self.hosts[host]}"
 
     def inode(self, host: str) -> str:
         """What ``readlink /proc/PID/ns/net`` shows for a process in ``host``."""
@@ -135,18 +136,19 @@ class Net:
         self.created.clear()
 
 
-def build(prefix: str) -> Net:
-    """The switch namespace with a bridge, and one namespace per host plugged
-    into it with a veth pair. Raises :class:`_Unavailable` (having cleaned up)
-    where namespaces, bridges or veths cannot be made."""
-    net = Net(prefix, [])
+def build(prefix: str, hosts: dict[str, int] | None = None) -> Net:
+    """The switch namespace with a bridge, and one namespace per host (``hosts``:
+    name -> last octet of its address; h1..h3 by default) plugged into it with a
+    veth pair. Raises :class:`_Unavailable` (having cleaned up) where
+    namespaces, bridges or veths cannot be made."""
+    net = Net(prefix, [], dict(hosts or HOSTS))
     try:
         sw = net.ns("sw")
         _ip("netns", "add", sw, probe=True)
         net.created.append(sw)
         _ip("-n", sw, "link", "add", "br0", "type", "bridge", probe=True)
         _ip("-n", sw, "link", "set", "br0", "up")
-        for host in HOSTS:
+        for host in net.hosts:
             ns = net.ns(host)
             _ip("netns", "add", ns, probe=True)
             net.created.append(ns)

@@ -19,6 +19,7 @@ from conftest import poll_for
 
 from nbrpc.transport import IOLoop, local, new_key, pack
 from nbrpc.transport.auth import connect_token
+from nbrpc.transport.dealer import Dealer
 from nbrpc.transport.frames import unpack
 from nbrpc.transport.unix import (
     MAGIC,
@@ -220,6 +221,11 @@ def test_deferred_messages_wait_for_the_io_thread_and_go_in_order(monkeypatch) -
         dealer = a._dealers[1]
         due: list = []
         monkeypatch.setattr(a, "_flush_due", due.append)  # the I/O thread's flush, held
+        # ...and any other flush of this connection the I/O thread might make
+        # meanwhile (a late writability event of the first send, on a busy machine)
+        held, flush = [True], Dealer.flush
+        monkeypatch.setattr(Dealer, "flush",
+                            lambda d: None if (held[0] and d is dealer) else flush(d))
         for i in range(2, 7):
             a.send(1, 0, i, b"deferred", defer=True)
         assert [e[2] for e in dealer.queue] == [2, 3, 4, 5, 6] and len(got) == 1
@@ -227,6 +233,7 @@ def test_deferred_messages_wait_for_the_io_thread_and_go_in_order(monkeypatch) -
         assert a.take_queued(1, 5) is None  # not the last one
         frames = a.take_queued(1, 6)
         assert frames is not None and unpack(a._key, frames).msg_id == 6
+        held[0] = False
         a.flush_to(1)  # on this thread
         assert not dealer.queue
         assert poll_for(lambda: len(got) == 5, timeout=5)

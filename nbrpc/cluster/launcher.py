@@ -19,9 +19,10 @@ from ipyparallel.cluster.launcher import (
     LocalEngineSetLauncher,
     ProcessStateError,
 )
-from traitlets import List, Unicode
+from traitlets import Dict, List, Unicode
 
 from . import guard
+from .engine import WORKER_ENV
 from .zygote import Zygote
 
 #: zygotes by ipyparallel cluster id (set by nbrpc.cluster.Cluster)
@@ -50,8 +51,12 @@ class ForkEngineLauncher(LocalEngineLauncher):
         if zygote is None:
             raise RuntimeError(f"no engine zygote for cluster {self.cluster_id!r}; "
                                "ForkEngineSetLauncher works only inside an nbrpc Cluster")
-        self.pid = zygote.spawn(list(self.args), env=self.get_env(), cwd=self.work_dir,
-                                output=self.output_file)
+        env = self.get_env()
+        netns = getattr(self.parent, "netns", {}).get(env.get(WORKER_ENV, ""))
+        if netns and "/" not in netns:
+            netns = f"/run/netns/{netns}"  # a name, as `ip netns add` makes them
+        self.pid = zygote.spawn(list(self.args), env=env, cwd=self.work_dir,
+                                output=self.output_file, netns=netns)
         self.process = psutil.Process(self.pid)
         self.notify_start(self.pid)
         self._start_waiting()
@@ -70,6 +75,10 @@ class ForkEngineSetLauncher(LocalEngineSetLauncher):
 
     launcher_class = ForkEngineLauncher
     engine_cmd = List([sys.executable, "-m", "ipyparallel.engine"], config=True)
+    netns = Dict(config=True, help="""worker name -> the Linux network namespace its
+        engine runs in (a name under /run/netns, or a path): hosts simulated on one
+        machine, for teaching partitions and failures. Needs root; the driver must
+        listen where the namespaces reach it (host=..., controller_ip=...).""")
 
     def start(self, n: int) -> list:
         dlist = super().start(n)

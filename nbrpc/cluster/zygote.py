@@ -79,13 +79,16 @@ class Zygote:
             self._ready = self._read(timeout, "start")
 
     def spawn(self, argv: list[str], env: dict[str, str], cwd: str, output: str,
-              timeout: float = 10.0) -> int:
+              timeout: float = 10.0, netns: str | None = None) -> int:
         """Fork a child that runs ``argv`` (``python -m MODULE ...`` or ``python -c``
-        in the warm interpreter); returns its pid. Output goes to ``output``."""
+        in the warm interpreter); returns its pid. Output goes to ``output``.
+        ``netns``: a network namespace (its path, e.g. ``/run/netns/h2``) the child
+        enters first (Linux, root): a host simulated on this machine."""
         with self._lock:
             self.wait_ready(timeout)
             assert self.proc is not None and self.proc.stdin is not None
-            line = json.dumps({"argv": argv, "env": env, "cwd": cwd, "output": output})
+            line = json.dumps({"argv": argv, "env": env, "cwd": cwd, "output": output,
+                               "netns": netns})
             try:
                 self.proc.stdin.write(line.encode() + b"\n")
                 self.proc.stdin.flush()
@@ -148,6 +151,21 @@ def _set_pdeathsig(sig: int) -> None:
     libc.prctl(PR_SET_PDEATHSIG, sig, 0, 0, 0)
 
 
+def enter_netns(path: str) -> None:
+    """Move this (single-threaded) process into the network namespace at ``path``."""
+    import ctypes
+
+    CLONE_NEWNET = 0x40000000  # noqa: N806
+    libc = ctypes.CDLL(None, use_errno=True)
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        if libc.setns(fd, CLONE_NEWNET) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"setns into the network namespace {path}: {os.strerror(err)}")
+    finally:
+        os.close(fd)
+
+
 def _child(request: dict[str, Any], parent: int) -> None:
     """In the forked child: become the program ``request["argv"]`` asks for."""
     code = 1
@@ -165,6 +183,8 @@ def _child(request: dict[str, Any], parent: int) -> None:
         for fd in {out, null} - {0, 1, 2}:
             os.close(fd)
         os.chdir(request["cwd"])
+        if request.get("netns"):
+            enter_netns(request["netns"])
         os.environ.update(request["env"])
         argv = list(request["argv"])
         import runpy

@@ -20,6 +20,7 @@ Owner map: 1 value, 4.0 KiB on 2 workers
 
 from __future__ import annotations
 
+import re
 from collections import defaultdict
 from typing import Any
 
@@ -90,6 +91,21 @@ def owner_map_text(omap: dict[str, list[dict[str, Any]]]) -> str:
     return "\n".join(lines)
 
 
+def column_label(name: str, width: int) -> str:
+    """A holder's column heading in ``width`` characters: the name, or where it
+    does not fit and ends in a number, its first letter and that number.
+
+    >>> column_label("worker7", 8), column_label("worker17", 4), column_label("driver", 4)
+    ('worker7', 'w17', 'd…er')
+    """
+    if len(name) <= width:
+        return name
+    m = re.fullmatch(r"(\D+)(\d+)", name)
+    if m and 1 + len(m.group(2)) <= width:
+        return m.group(1)[0] + m.group(2)
+    return clip_middle(name, width)
+
+
 def owner_map_svg(omap: dict[str, list[dict[str, Any]]], max_workers: int = MAX_WORKERS) -> str:
     """The bars (bytes owned, by holder) and the owner × holder matrix as one SVG."""
     owners = list(omap)[:max_workers]
@@ -99,7 +115,9 @@ def owner_map_svg(omap: dict[str, list[dict[str, Any]]], max_workers: int = MAX_
     shares, cells = split_bytes(omap), matrix(omap)
     biggest = max([sum(s.values()) for s in shares.values()] + [1])
     name_w, bar_w, row, top = 90, 260, 22, 46
-    cell_w = max(44, min(80, 640 // max(1, len(holders))))
+    # columns: 44 px up to 14 holders, narrower (down to 30 px) for more, where
+    # names give way to their numbers (``worker17`` -> ``w17``; the full name on hover)
+    cell_w = max(30 if len(holders) > 14 else 44, min(80, 640 // max(1, len(holders))))
     mx = name_w + bar_w + 100
     heading = "values held (owner row → holder column)"
     width = mx + max(cell_w * len(holders), BOLD_W * len(heading)) + 10
@@ -108,7 +126,7 @@ def owner_map_svg(omap: dict[str, list[dict[str, Any]]], max_workers: int = MAX_
              f'<text x="{mx}" y="14" font-weight="bold">{esc(heading)}</text>']
     for j, h in enumerate(holders):
         cx = mx + j * cell_w + cell_w / 2
-        shown = clip_middle(h, max(3, int((cell_w - 4) / CHAR_W)))
+        shown = column_label(h, max(3, int((cell_w - 4) / CHAR_W)))
         parts.append(f'<text x="{cx:.0f}" y="{top - 8}" text-anchor="middle">'
                      f"{esc(shown)}<title>{esc(h)}</title></text>")
     biggest_cell = max([b for _, b in cells.values()] + [1])
