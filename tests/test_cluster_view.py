@@ -376,3 +376,21 @@ def test_the_start_progress_bar_moves_with_every_step() -> None:
     assert seen[0] == 0 and 0 < seen[2] < bar.bar.max / 4 and seen[-1] == bar.bar.max
     assert bar.label.value == "starting nbrpc workers: 3/3 worker3 ready"
     bar.close()
+
+
+def test_a_start_in_a_batch_queue_shows_the_live_view_under_the_bar(scripted: Scripted) -> None:
+    from nbrpc.jupyter.progress import WidgetProgress
+
+    scripted.state = "starting"
+    scripted.next = ClusterStatus("slurm", "starting", [
+        WorkerStatus("driver", 0, state="ready"),
+        WorkerStatus("worker1", 1, state="starting", job="Slurm job 17 PENDING (Resources)")])
+    scripted.status = lambda probe_timeout=1.0: scripted.next  # rows while starting
+    bar = WidgetProgress(1, title="starting nbrpc workers", cluster=scripted)
+    try:
+        assert bar.view is not None and bar.view.live_now
+        assert "Slurm job 17 PENDING (Resources)" in bar.view.html
+        assert bar.view.title == "nbrpc cluster (slurm launcher): starting, 0 of 1 workers ready"
+    finally:
+        bar.close()
+    assert not bar.view.live_now  # closed with the bar: the cell's result is the cluster's view

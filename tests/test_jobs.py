@@ -103,3 +103,27 @@ def test_progress_notes_do_not_count() -> None:
     p = Progress(2, "starting")
     p.note("worker1: Slurm job 17 PENDING (Priority)")
     assert (p.done, p.prepared, p.fraction) == (0, 0, 0.0)
+
+
+def test_a_starting_cluster_shows_who_joined_and_the_jobs_without_probing(squeue) -> None:
+    from conftest import local_group
+
+    squeue('printf "17|PENDING|(Priority)|\\n"')
+    c = queued_cluster()
+    with local_group(["driver"], dynamic=True) as (driver,):
+        c.agent, c.state = driver, "starting"
+        try:
+            s = c.status()
+        finally:
+            c.agent, c.state = None, "stopped"
+    assert [(w.name, w.state, w.job) for w in s.workers] == [
+        ("driver", "ready", ""), ("worker1", "starting", "Slurm job 17 PENDING (Priority)"),
+        ("worker2", "starting", "Slurm job 18"), ("worker3", "starting", "")]
+    assert s.summary() == "nbrpc cluster (slurm launcher): starting, 0 of 3 workers ready"
+
+
+def test_only_batch_launchers_queue() -> None:
+    assert Cluster(launcher="slurm", host="127.0.0.1")._queued
+    assert Cluster(launcher="pbs", host="127.0.0.1")._queued
+    assert not any(Cluster(launcher=name, host="127.0.0.1")._queued
+                   for name in ("fork", "local", "ssh", "mpi"))

@@ -339,6 +339,14 @@ def forward(w, x):
     return torch.tanh(w * x).sum()
 
 
+def _start_error(cluster):
+    try:
+        cluster.start(1)
+    except Exception as e:
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
 t0 = time.monotonic()
 cluster = Cluster(launcher="slurm", host=cfg["addr"], controller_ip=cfg["addr"],
                   launcher_options={"queue": "debug"}, profile_dir=cfg["profile"],
@@ -395,6 +403,25 @@ finally:
     t3 = time.monotonic()
     cluster.stop(timeout=30)
     out["stop_s"] = round(time.monotonic() - t3, 1)
+
+# A start whose only job cannot run: while it waits, its status (what the live
+# view shows under the progress bar in a kernel) names the job and Slurm's reason.
+import threading
+waiting = Cluster(launcher="slurm", host=cfg["addr"], controller_ip=cfg["addr"],
+                  launcher_options={"queue": "closed"}, profile_dir=cfg["profile"] + "-2",
+                  threads=2, timeout=6, progress=False)
+failed = []
+starter = threading.Thread(target=lambda: failed.append(_start_error(waiting)))
+starter.start()
+out["waiting_status"] = None
+while starter.is_alive():
+    s = waiting.status()
+    rows = [w for w in s.workers if w.rank]
+    if rows and "PENDING" in rows[0].job:
+        out["waiting_status"] = [s.summary(), rows[0].state, rows[0].job]
+    time.sleep(0.2)
+starter.join()
+out["waiting_error"] = failed[0]
 done()
 '''
 
@@ -432,6 +459,11 @@ def test_cluster_under_slurm(slurm: Slurm, tmp_path: Path) -> None:
     new = out["restarted"]
     assert new["worker"] == "worker2" and new["job"] not in (None, out["cancelled_job"]), new
     assert "worker2  ready" in out["status"], out["status"]
+    summary, state, job = out["waiting_status"] or ("", "", "")
+    assert summary == "nbrpc cluster (slurm launcher): starting, 0 of 1 workers ready", out
+    assert state == "starting" and job.endswith("PENDING (PartitionDown)"), out
+    assert out["waiting_error"].startswith("ClusterError") and "PartitionDown" in \
+        out["waiting_error"], out["waiting_error"]
     assert_queue_empty(slurm, "after Cluster.stop()")
     print(f"slurm: start of 4 workers {out['start_s']} s, cancelled job noticed in "
           f"{out['gone_s']} s, restart {out['restart_s']} s, stop {out['stop_s']} s")

@@ -162,6 +162,21 @@ class Cluster:
         return isinstance(self.launcher, type) and issubclass(self.launcher, MPIEngineSetLauncher)
 
     @property
+    def _queued(self) -> bool:
+        """Workers are batch jobs (slurm, pbs, ...): they may wait in a queue."""
+        from ipyparallel.cluster.launcher import BatchSystemLauncher, find_launcher_class
+
+        launcher = self.launcher
+        if isinstance(launcher, str):
+            if self._local:
+                return False
+            try:
+                launcher = find_launcher_class(launcher, "engine")
+            except Exception:  # noqa: BLE001 - an unknown name fails later, saying so
+                return False
+        return isinstance(launcher, type) and issubclass(launcher, BatchSystemLauncher)
+
+    @property
     def launcher_name(self) -> str:
         return self.launcher if isinstance(self.launcher, str) else self.launcher.__name__
 
@@ -186,7 +201,8 @@ class Cluster:
                 raise AlreadyInitializedError(_Default.agent.name)
             t0 = time.perf_counter()
             self.state = "starting"
-            progress = make_progress(n, self.progress, "starting nbrpc workers")
+            progress = make_progress(n, self.progress, "starting nbrpc workers",
+                                     cluster=self if self._queued else None)
             try:
                 self._start_infrastructure(progress)
                 self._launch([(f"worker{r}", r) for r in range(1, n + 1)])
@@ -600,6 +616,15 @@ class Cluster:
         Safe to call from another thread (the cluster widget's live refresh)."""
         rows: list[WorkerStatus] = []
         agent, state = self.agent, self.state
+        if agent is not None and state == "starting":  # no probes: who joined, the jobs
+            workers = sorted(list(self.workers.values()), key=lambda w: w.rank)
+            self._ask_queue(workers, every=STATUS_QUEUE_PERIOD)
+            rows.append(_driver_row(agent))
+            for w in workers:
+                joined = w.pid is not None and agent.is_member(w.rank)
+                rows.append(WorkerStatus(w.name, w.rank, host=w.host, pid=w.pid,
+                                         state="ready" if joined else "starting",
+                                         threads=self.threads, job=str(w.job or "")))
         if agent is not None and state == "running":
             rows.append(_driver_row(agent))
             workers = sorted(list(self.workers.values()), key=lambda w: w.rank)

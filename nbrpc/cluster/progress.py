@@ -77,13 +77,17 @@ class TextProgress(Progress):
         sys.stdout.flush()
 
 
-def make_progress(total: int, enabled: bool | None, title: str) -> Progress:
-    """The display that suits where we run; ``enabled=False`` only logs."""
+def make_progress(total: int, enabled: bool | None, title: str, cluster: Any = None) -> Progress:
+    """The display that suits where we run; ``enabled=False`` only logs. In a
+    kernel, ``cluster`` (a cluster whose workers wait in a batch queue) is shown
+    live under the bar while it starts."""
     if enabled is False:
         return Progress(total, title)
     shell = _shell()
     if shell is not None and type(shell).__name__ == "ZMQInteractiveShell":
         try:
+            if cluster is not None:
+                return views.make("progress", total, title=title, cluster=cluster)
             return views.make("progress", total, title=title)
         except (ImportError, LookupError) as e:  # no widget libraries: text will do
             log.debug("no progress widget: %s", e)

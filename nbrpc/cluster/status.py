@@ -69,9 +69,12 @@ class ClusterStatus:
                 "workers": [asdict(w) for w in self.workers]}
 
     def summary(self) -> str:
+        n = sum(w.rank != 0 for w in self.workers)
+        if self.state == "starting" and self.workers:
+            return (f"nbrpc cluster ({self.launcher} launcher): starting, "
+                    f"{self.count('ready')} of {n} workers ready")
         if self.state != "running":
             return f"nbrpc cluster (no workers): {self.state}"
-        n = sum(w.rank != 0 for w in self.workers)
         counts = [f"{self.count(s)} {s}" for s in STATES if self.count(s)]
         noun = "worker" if n == 1 else "workers"
         if counts == [f"{n} ready"]:

@@ -7,6 +7,8 @@ elsewhere (see :mod:`nbrpc.cluster.progress`).
 
 from __future__ import annotations
 
+from typing import Any
+
 import ipywidgets as w
 from IPython.display import display
 
@@ -33,12 +35,22 @@ class WidgetProgress(Progress):
     >>> p.close()
     """
 
-    def __init__(self, total: int, title: str = "starting nbrpc workers") -> None:
+    def __init__(self, total: int, title: str = "starting nbrpc workers",
+                 cluster: Any = None) -> None:
         super().__init__(total, title)
         self.bar = w.IntProgress(value=0, min=0, max=total)
         self.label = w.Label(title)
         self.box = w.HBox([self.bar, self.label])
         display(self.box)
+        # a cluster whose jobs wait in a batch queue: its live view, each worker's
+        # job and state, while it starts (closed with the bar: the cell's result
+        # is the cluster's own view)
+        self.view = None
+        if cluster is not None:
+            from .cluster_view import ClusterView
+
+            self.view = ClusterView(cluster)
+            display(self.view)
 
     def show(self, message: str) -> None:
         with self.bar.hold_sync():
@@ -48,3 +60,5 @@ class WidgetProgress(Progress):
 
     def close(self, message: str = "") -> None:
         self.box.close()
+        if self.view is not None:
+            self.view.close()
