@@ -367,7 +367,8 @@ RSS_GROWTH_MIB = 24  # the driver over those cycles: flat, but for allocator noi
 
 
 @pytest.mark.timeout(300)
-def test_twenty_start_stop_cycles_leak_nothing(own_cluster: None) -> None:
+def test_twenty_start_stop_cycles_leak_nothing(own_cluster: None,
+                                              capsys: pytest.CaptureFixture) -> None:
     me = psutil.Process()
     # children from before (multiprocessing's resource tracker, started by earlier
     # tests that spawn processes, lives as long as this process) are not ours
@@ -411,8 +412,9 @@ def test_twenty_start_stop_cycles_leak_nothing(own_cluster: None) -> None:
     assert poll_for(lambda: me.num_fds() <= base_fds + 2, 5), (me.num_fds(), base_fds)
     assert set(me.children(recursive=True)) - earlier == set()
     grown = (me.memory_info().rss - base_rss) / 2**20
-    print(f"\ndriver RSS over {CYCLES} start/stop cycles: {base_rss / 2**20:.0f} MiB, "
-          f"then {grown:+.1f} MiB")
+    with capsys.disabled():  # the figure, in make test's output too
+        print(f"\ndriver RSS over {CYCLES} start/stop cycles: {base_rss / 2**20:.0f} MiB, "
+              f"then {grown:+.1f} MiB")
     assert grown < RSS_GROWTH_MIB, f"the driver grew {grown:.1f} MiB over {CYCLES} cycles"
 
 

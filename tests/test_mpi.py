@@ -138,7 +138,7 @@ print(cfg["mark"] + json.dumps(out), flush=True)
 
 
 def test_one_mpiexec_spreads_the_workers_and_restart_keeps_their_place(
-        net: Net, tmp_path: Path) -> None:
+        net: Net, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     ssh = tmp_path / "ssh"
     ssh.write_text(FAKE_SSH)
     ssh.chmod(0o755)
@@ -191,5 +191,6 @@ def test_one_mpiexec_spreads_the_workers_and_restart_keeps_their_place(
         time.sleep(0.1)
     left = {pid: _cmdline(pid) for pids in net.pids().values() for pid in pids}
     assert not left, f"left running in the hosts after stop() ({out['stop_s']} s): {left}"
-    print(f"mpi: start of 4 workers {out['start_s']} s, restart {out['restart_s']} s, "
-          f"stop {out['stop_s']} s")
+    with capsys.disabled():  # the figures, in make test's output too
+        print(f"\nmpi: start of 4 workers {out['start_s']} s, restart {out['restart_s']} s, "
+              f"stop {out['stop_s']} s")

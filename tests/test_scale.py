@@ -144,7 +144,8 @@ print(cfg["mark"] + json.dumps(out), flush=True)
 '''
 
 
-def test_32_workers_on_4_hosts(net: Net, tmp_path: Path) -> None:
+def test_32_workers_on_4_hosts(net: Net, tmp_path: Path,
+                               capsys: pytest.CaptureFixture) -> None:
     cfg = {"addr": net.addr("h1"), "n": WORKERS, "mark": MARK,
            "ns": [net.ns(h) for h in WORKER_HOSTS]}
     env = {k: v for k, v in os.environ.items() if not k.startswith("NBRPC_")}
@@ -184,10 +185,11 @@ def test_32_workers_on_4_hosts(net: Net, tmp_path: Path) -> None:
 
     mean = lambda d: sum(d.values()) / len(d)  # noqa: E731
     uss, rss = out["worker_uss_mib"], out["worker_rss_mib"]
-    print(f"\n32 workers on 4 hosts: start {out['start_s']} s, stop {out['stop_s']} s; "
-          f"idle per worker {mean(msgs):.1f} msg/s (max {max(msgs.values()):.1f}), "
-          f"{mean(out['idle_cpu_ms_per_s']):.1f} ms CPU/s; rpc_async to all 32 and back "
-          f"{out['fanout_ms']} ms (one call {out['one_call_ms']} ms); idle worker unique "
-          f"memory {uss[len(uss) // 2]} MiB median (max {uss[-1]}), RSS {rss[len(rss) // 2]} "
-          f"MiB median against {out['torch_rss_mib']} MiB for a fresh `import torch`; "
-          f"driver RSS {out['driver_rss_mib']} MiB")
+    with capsys.disabled():  # the figures, in make test's output too
+        print(f"\n32 workers on 4 hosts: start {out['start_s']} s, stop {out['stop_s']} s; "
+              f"idle per worker {mean(msgs):.1f} msg/s (max {max(msgs.values()):.1f}), "
+              f"{mean(out['idle_cpu_ms_per_s']):.1f} ms CPU/s; rpc_async to all 32 and back "
+              f"{out['fanout_ms']} ms (one call {out['one_call_ms']} ms); idle worker unique "
+              f"memory {uss[len(uss) // 2]} MiB median (max {uss[-1]}), RSS {rss[len(rss) // 2]} "
+              f"MiB median against {out['torch_rss_mib']} MiB for a fresh `import torch`; "
+              f"driver RSS {out['driver_rss_mib']} MiB")

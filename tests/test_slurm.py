@@ -426,7 +426,8 @@ done()
 '''
 
 
-def test_cluster_under_slurm(slurm: Slurm, tmp_path: Path) -> None:
+def test_cluster_under_slurm(slurm: Slurm, tmp_path: Path,
+                             capsys: pytest.CaptureFixture) -> None:
     """``Cluster(launcher="slurm")``: each worker one sbatch job, spread over the
     nodes; the RPC, RRef and distributed-autograd checks; a job Slurm cancels is
     a dead worker; restart resubmits it; stop leaves the queue empty."""
@@ -465,8 +466,9 @@ def test_cluster_under_slurm(slurm: Slurm, tmp_path: Path) -> None:
     assert out["waiting_error"].startswith("ClusterError") and "PartitionDown" in \
         out["waiting_error"], out["waiting_error"]
     assert_queue_empty(slurm, "after Cluster.stop()")
-    print(f"slurm: start of 4 workers {out['start_s']} s, cancelled job noticed in "
-          f"{out['gone_s']} s, restart {out['restart_s']} s, stop {out['stop_s']} s")
+    with capsys.disabled():  # the figures, in make test's output too
+        print(f"\nslurm: start of 4 workers {out['start_s']} s, cancelled job noticed in "
+              f"{out['gone_s']} s, restart {out['restart_s']} s, stop {out['stop_s']} s")
 
 
 # The magic, in an IPython shell: a start that succeeds, then one whose job can
