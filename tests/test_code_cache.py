@@ -42,7 +42,7 @@ def cell(source: str, ns: dict | None = None) -> dict:
 
 
 class Ctx:
-    """What the agent's Wire gives the pickler: the cache, the peer, refs_ok."""
+    """What the agent's MessageContext gives the pickler: the cache, the peer, refs_ok."""
 
     def __init__(self, codes: CodeCache, peer: int = 1, refs_ok: bool = True) -> None:
         self.codes, self.peer, self.refs_ok = codes, peer, refs_ok

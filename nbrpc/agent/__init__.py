@@ -4,8 +4,8 @@ from .agent import (
     Agent,
     AgentOptions,
     Deferred,
+    MessageContext,
     Propagator,
-    Wire,
     current_agent,
     internal,
     register_extension,
@@ -15,6 +15,7 @@ from .asyncfn import check_future, is_async, mark_async
 from .futures import RpcFuture, detach, fresh, on_done, outcome, wait_result
 from .group import WorkerInfo
 
-__all__ = ["Agent", "AgentOptions", "Deferred", "Propagator", "RpcFuture", "Wire", "WorkerInfo",
-           "check_future", "current_agent", "detach", "fresh", "internal", "is_async", "mark_async",
-           "on_done", "outcome", "register_extension", "set_default_agent", "wait_result"]
+__all__ = ["Agent", "AgentOptions", "Deferred", "MessageContext", "Propagator", "RpcFuture",
+           "WorkerInfo", "check_future", "current_agent", "detach", "fresh", "internal",
+           "is_async", "mark_async", "on_done", "outcome", "register_extension",
+           "set_default_agent", "wait_result"]

@@ -42,7 +42,7 @@ import threading
 import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable
-from concurrent.futures import Future as Verdict
+from concurrent.futures import Future
 from typing import Any
 
 from ..errors import DeviceMapError, RendezvousError, WorkerGoneError
@@ -64,9 +64,9 @@ from .pool import WorkerPool
 from .wire import (  # noqa: F401 (the names upper layers import from here)
     INTERNAL,
     Deferred,
+    MessageContext,
     Pending,
     Propagator,
-    Wire,
     call_args,
     check_timeout,
     internal,
@@ -146,7 +146,7 @@ class Agent(Caller, Callee, Control, Shutdown):
         self.state = "new"
         self._pending: dict[int, Pending] = {}
         # requests that timed out with hooks on their answer: msg id -> (peer, wire)
-        self._late_hooks: OrderedDict[int, tuple[int, Wire]] = OrderedDict()
+        self._late_hooks: OrderedDict[int, tuple[int, MessageContext]] = OrderedDict()
         self._ids = itertools.count(1)
         self.members = MemberTable()
         self._coordinator = Coordinator(world_size) if rank == 0 else None
@@ -155,7 +155,7 @@ class Agent(Caller, Callee, Control, Shutdown):
         # that heard first called at once): served once it arrives (I/O thread).
         self._early: list[Envelope] = []
         self._join_error: str | None = None
-        self._verdicts: dict[int, Verdict] = {}  # shutdown round -> "done?"
+        self._verdicts: dict[int, Future] = {}  # shutdown round -> "done?"
         self._rounds = itertools.count()
         self._lock = threading.Lock()
         self._sent: Counter[int] = Counter()  # requests sent, per peer (under _lock)

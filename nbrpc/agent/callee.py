@@ -29,7 +29,15 @@ from .futures import on_done, outcome
 from .messages import CONTROL, INLINE, REQUEST, RESPONSE, Call, Ok
 from .pool import blocking
 from .remote_errors import pack_error
-from .wire import _LOGGED, Deferred, Wire, _unread_error, _what, oversize, too_large
+from .wire import (
+    LOGGED_ATTR,
+    Deferred,
+    MessageContext,
+    describe_message,
+    oversize,
+    too_large,
+    unread_error,
+)
 
 log = logging.getLogger(__name__)
 
@@ -90,11 +98,11 @@ class Callee:
         __tracebackhide__ = True  # (left out of the traceback sent back)
         started = time.perf_counter()
         op = "?"
-        wire = Wire(self, env.sender)
+        wire = MessageContext(self, env.sender)
         try:
             msg = loads(env.payload, env.buffers, wire)
         except BaseException as e:  # the caller undoes what the message carried
-            e = _unread_error(e, self.name)
+            e = unread_error(e, self.name)
             self._reply(env, dataclasses.replace(pack_error(e, self.name), unread=True),
                         op, started, wire.tag)
             return
@@ -102,7 +110,7 @@ class Callee:
         if wire.before is not None and threading.get_ident() != self.io.thread_ident:
             self._wait_before(wire.before)
         try:
-            if tag is not None:  # (tagged: a (_Tag, message) pair)
+            if tag is not None:  # (tagged: a (Tag, message) pair)
                 msg = msg[1]
             op = msg.op
             handler = self.handlers.get(op)
@@ -125,9 +133,10 @@ class Callee:
             return
         if type(result) is Deferred:
             on_done(result.future,
-                    lambda f: self._reply_future(env, f, op, started, tag, _what(msg), wire))
+                    lambda f: self._reply_future(env, f, op, started, tag,
+                                                 describe_message(msg), wire))
         else:
-            self._reply(env, Ok(result), op, started, tag, _what(msg), wire)
+            self._reply(env, Ok(result), op, started, tag, describe_message(msg), wire)
 
     def _channel_busy(self, n: int) -> None:
         with self._lock:
@@ -149,10 +158,10 @@ class Callee:
         """Log, on this worker, a failure of code run for ``sender`` (as PyTorch
         prints it to the worker's stderr); the caller gets the exception too.
         One line at WARNING, the traceback at DEBUG."""
-        if getattr(e, "remote_worker", None) or getattr(e, _LOGGED, False):
+        if getattr(e, "remote_worker", None) or getattr(e, LOGGED_ATTR, False):
             return  # raised further away (logged there), or a stored error raised again
         try:
-            setattr(e, _LOGGED, True)  # (copies raised from a stored error keep it)
+            setattr(e, LOGGED_ATTR, True)  # (copies raised from a stored error keep it)
         except Exception:  # an exception type without attributes
             pass
         log.warning("nbrpc agent %r: %s from %r raised %s: %s", self.name, op,
@@ -160,7 +169,7 @@ class Callee:
         log.debug("the traceback", exc_info=e)
 
     def _reply_future(self, env: Envelope, f: torch.futures.Future, op: str, started: float,
-                      tag: Any = None, what: str = "", request: Wire | None = None) -> None:
+                      tag: Any = None, what: str = "", request: MessageContext | None = None) -> None:
         value, error = outcome(f)
         if error is not None:
             self.user_error(op, env.sender, error)
@@ -168,25 +177,25 @@ class Callee:
         self._reply(env, reply, op, started, tag, what, request)
 
     def _reply(self, env: Envelope, reply: Any, op: str, started: float,
-               tag: Any = None, what: str = "", request: Wire | None = None) -> None:
+               tag: Any = None, what: str = "", request: MessageContext | None = None) -> None:
         peer = env.sender
         if request is not None and request.answering:  # what the answer leaves unsettled
             pending = request.pending_at_answer()
             if pending:
                 reply = dataclasses.replace(reply, pending=pending)
-        wire = Wire(self, peer, tag)  # tensors in the reply are recorded under the tag
+        wire = MessageContext(self, peer, tag)  # tensors in the reply are recorded under the tag
         try:
             payload, buffers = dumps(reply, wire)
         except SerializationError as e:
             wire.unsent()
-            wire = Wire(self, peer)
+            wire = MessageContext(self, peer)
             if type(reply) is Ok:  # name the value, not the wrapper it travels in
                 e = self._unpicklable_result(reply.value, what or op, e)
             payload, buffers = dumps(pack_error(e, self.name), wire)
         over = oversize(payload, buffers, self.members.get(peer))
         if over is not None:  # the caller would drop it unread: answer with why instead
             wire.unsent()
-            wire = Wire(self, peer)
+            wire = MessageContext(self, peer)
             name = self.peer_name(peer)
             e = too_large(f"the answer to {what or op}() from {self.name!r}", *over, name)
             reply = dataclasses.replace(pack_error(e, self.name),

@@ -25,13 +25,13 @@ from .futures import RpcFuture
 from .messages import INLINE, REQUEST, RESPONSE, Call, Ok
 from .remote_errors import rebuild_error
 from .wire import (
-    _MISS,
+    MISS_TYPE_NAME,
+    MessageContext,
     Pending,
-    Wire,
-    _Tag,
-    _what,
+    Tag,
     call_args,
     check_timeout,
+    describe_message,
     oversize,
     too_large,
     unpicklable_request,
@@ -107,9 +107,9 @@ class Caller:
                       along: int | None = None) -> None:
         __tracebackhide__ = True  # (IPython leaves nbrpc's frames out of tracebacks)
         peer = p.peer
-        wire = Wire(self, peer, tag, refs_ok=True)
+        wire = MessageContext(self, peer, tag, refs_ok=True)
         try:
-            payload, buffers = dumps(msg if tag is None else (_Tag(tag), msg), wire)
+            payload, buffers = dumps(msg if tag is None else (Tag(tag), msg), wire)
         except SerializationError:
             wire.unsent()
             verb = msg.op if msg.op != "call" else "rpc_sync" if sync else "rpc_async"
@@ -122,7 +122,8 @@ class Caller:
             wire.unsent()
             verb = msg.op if msg.op != "call" else "rpc_sync" if sync else "rpc_async"
             name = self.peer_name(peer)
-            raise too_large(f"{verb}({name!r}, {_what(msg)}): the request", *over, name)
+            raise too_large(f"{verb}({name!r}, {describe_message(msg)}): the request", *over,
+                            name)
         mid = next(self._ids)
         p.wire = wire if wire.undo or wire.full else None
         if wire.refs and may_resend:
@@ -160,7 +161,8 @@ class Caller:
                 self._sent[peer] -= 1
             wire.unsent()
             raise
-        self.events.add("send", msg.op, self.peer_name(peer), mid, nbytes, None, _what(msg))
+        self.events.add("send", msg.op, self.peer_name(peer), mid, nbytes, None,
+                        describe_message(msg))
 
     def _send_on(self, chan: Channel, p: Pending, timeout: float, kind: int, mid: int,
                  payload: bytes, buffers: list, first: list | None = None) -> int:
@@ -293,7 +295,7 @@ class Caller:
         self.events.add("recv", p.op, name, env.msg_id, len(env.payload),
                         time.perf_counter() - p.started)
         try:
-            reply = loads(env.payload, env.buffers, Wire(self, env.sender))
+            reply = loads(env.payload, env.buffers, MessageContext(self, env.sender))
         except Exception as e:
             self._settle(p, error=SerializationError(
                 f"the answer from {name!r} could not be unpickled here: "
@@ -309,7 +311,7 @@ class Caller:
         if type(reply) is Ok:
             self._settle(p, reply.value)
             return
-        if reply.unread and reply.type_name == _MISS and p.resend:
+        if reply.unread and reply.type_name == MISS_TYPE_NAME and p.resend:
             self.codes.forget(p.peer)
             self.codes.resent += 1
             if threading.get_ident() == self.io.thread_ident:
@@ -333,7 +335,7 @@ class Caller:
         if env.sender not in self.members:
             return
         try:
-            reply = loads(env.payload, env.buffers, Wire(self, env.sender))
+            reply = loads(env.payload, env.buffers, MessageContext(self, env.sender))
         except Exception as e:
             log.debug("a late reply from rank %d did not unpickle: %s", env.sender, e)
             return

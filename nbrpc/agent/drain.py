@@ -15,8 +15,8 @@ from __future__ import annotations
 import gc
 import logging
 import time
-from concurrent.futures import Future as Verdict
-from concurrent.futures import TimeoutError as VerdictTimeout
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 
 from ..errors import RpcTimeoutError, ShutdownError
 from . import gcfreeze
@@ -112,14 +112,14 @@ class Shutdown:
         while not self._shutdown_cut:  # bounded by the deadline
             self._wait_local_idle(deadline, limit)
             rnd = next(self._rounds)
-            verdict = self._verdicts[rnd] = Verdict()
+            verdict = self._verdicts[rnd] = Future()
             active = len(self._pending) + self._busy()
             with self._lock:
                 report = DrainReport(rnd, active, dict(self._sent), dict(self._served))
             self._send_control(0, report)
             try:
                 done = verdict.result(timeout=max(0.0, deadline - time.monotonic()))
-            except VerdictTimeout:
+            except FutureTimeout:
                 raise RpcTimeoutError("graceful shutdown (waiting for the other workers)",
                                       limit) from None
             finally:

@@ -1,6 +1,6 @@
 """What travels with a message, and small checks shared by both sides.
 
-:class:`Wire` is what reducers see while a message is pickled or unpickled;
+:class:`MessageContext` is what reducers see while a message is pickled or unpickled;
 :class:`Pending` is a call waiting for its answer; :class:`Deferred` is a
 handler's answer that is a future; the rest checks a call's arguments and
 timeout and names a request for the event log.
@@ -25,12 +25,12 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-_LOGGED = "_nbrpc_logged"  # set on an error user_error has logged
+LOGGED_ATTR = "_nbrpc_logged"  # set on an error user_error has logged
 
-_MISS = f"{CodeCacheMiss.__module__}.{CodeCacheMiss.__qualname__}"  # an Err's type_name
+MISS_TYPE_NAME = f"{CodeCacheMiss.__module__}.{CodeCacheMiss.__qualname__}"  # an Err's type_name
 
 
-class Wire:
+class MessageContext:
     """What a reducer sees (``nbrpc.serialize.current_context()``) while a
     message is pickled or unpickled: this agent, the peer at the other end,
     ``undo`` callbacks to run if the message is never sent, the value the
@@ -128,9 +128,9 @@ class Propagator:
         """A request carrying ``value`` is going to ``peer``."""
 
 
-class _Tag:
+class Tag:
     """First item of a tagged payload: unpickling it sets the receiving
-    Wire's tag before the message itself is rebuilt, so reducers see it."""
+    MessageContext's tag before the message itself is rebuilt, so reducers see it."""
 
     __slots__ = ("value",)
 
@@ -143,7 +143,7 @@ class _Tag:
 
 def _restore_tag(value: Any) -> type:
     current_context().tag = value
-    return _Tag
+    return Tag
 
 
 @dataclass(slots=True)
@@ -155,7 +155,7 @@ class Pending:
     timer: list | None = None
     keep: Any = None  # held until the answer (an RRef must outlive its call)
     then: Callable[[Any, BaseException | None], None] | None = None
-    wire: Wire | None = None  # undo of what pickling did, if the callee cannot read it
+    wire: MessageContext | None = None  # undo of what pickling did, if the callee cannot read it
     resend: tuple | None = None  # (msg, tag, timeout, kind): it named code by hash
 
     def settle(self, value: Any = None, error: BaseException | None = None) -> None:
@@ -180,7 +180,7 @@ class Deferred:
     future: torch.futures.Future
 
 
-def _unread_error(e: BaseException, name: str) -> BaseException:
+def unread_error(e: BaseException, name: str) -> BaseException:
     """The error for a request that ``name`` could not unpickle (nothing of it ran)."""
     if not isinstance(e, Exception) or isinstance(e, CodeCacheMiss):
         return e  # (a miss: the caller resends with the definitions)
@@ -220,7 +220,8 @@ def unpicklable_request(verb: str, worker: str, msg: Any) -> SerializationError 
         return None
     name, root, (path, part, error) = found
     what = name if path == root else f"{path} in {name}" if path.startswith(root) else path
-    called = (_what(msg) or "?").rpartition("<locals>.")[2]  # (a nested function: its name)
+    # (a nested function: its name)
+    called = (describe_message(msg) or "?").rpartition("<locals>.")[2]
     return SerializationError(
         f"{verb}({worker!r}, {called}): could not pickle {what} ({a_type(part)}): "
         f"{error}. Pass only picklable values (open files, locks, sockets and threads are "
@@ -288,7 +289,7 @@ def named_by(describe: Callable[[tuple], str]) -> Callable[[Callable], Callable]
     return mark
 
 
-def _what(msg: Any) -> str:
+def describe_message(msg: Any) -> str:
     """What a request is about, for its event: the function called, or the RRef."""
     fn = getattr(msg, "fn", None)
     describe = getattr(fn, "__nbrpc_what__", None)

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from ..agent import Agent, Propagator, Wire
+from ..agent import Agent, MessageContext, Propagator
 from ..errors import WorkerGoneError
 from .engine import LocalPass, StageRecord, norm
 from .messages import Release
@@ -212,7 +212,7 @@ class Contexts(Propagator):
         return ctx
 
     # -- recording (called while messages are pickled) ---------------------------------------
-    def on_send(self, t: torch.Tensor, wire: Wire) -> tuple[int, int] | None:
+    def on_send(self, t: torch.Tensor, wire: MessageContext) -> tuple[int, int] | None:
         ctx = self.get_or_create(wire.tag)
         if ctx is None:
             return None
@@ -232,7 +232,7 @@ class Contexts(Propagator):
         with ctx.lock:
             ctx.sends.pop(msg_id, None)
 
-    def on_recv(self, t: torch.Tensor, token: tuple[int, int], wire: Wire) -> None:
+    def on_recv(self, t: torch.Tensor, token: tuple[int, int], wire: MessageContext) -> None:
         ctx_id, msg_id = token
         ctx = self.get_or_create(ctx_id)
         if ctx is None:

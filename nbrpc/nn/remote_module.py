@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from ..agent import current_agent
-from ..agent.agent import Wire
+from ..agent.agent import MessageContext
 from ..errors import NbrpcError
 from ..rpc.api import remote, rpc_sync
 from ..rref import RRef
@@ -156,7 +156,7 @@ class RemoteModule(nn.Module):
         return self.module_rref
 
     def __reduce_ex__(self, protocol: int) -> Any:
-        if not isinstance(current_context(), Wire):  # PyTorch's text first
+        if not isinstance(current_context(), MessageContext):  # PyTorch's text first
             raise NbrpcError(
                 "Cannot pickle RemoteModule in python pickler. RemoteModule can only be "
                 f"pickled when using RPC: this one holds the module on {self.on!r} through an "

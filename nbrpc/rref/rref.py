@@ -41,7 +41,7 @@ from ..agent import (
     register_extension,
     wait_result,
 )
-from ..agent.agent import Wire, check_timeout
+from ..agent.agent import MessageContext, check_timeout
 from ..agent.wire import named_by
 from ..errors import NbrpcError, WorkerGoneError
 from ..ipython import creation_site
@@ -243,7 +243,7 @@ class RRef(Generic[T]):
 # -- forking: how an RRef pickles ---------------------------------------------------
 def _reduce_rref(rref: RRef) -> tuple:
     wire = current_context()
-    if not isinstance(wire, Wire):  # PyTorch's text first: code matches on it
+    if not isinstance(wire, MessageContext):  # PyTorch's text first: code matches on it
         raise NbrpcError(
             f"Can not pickle rref in python pickler, rref can only be pickled when using RPC: "
             f"{rref!r} can only be pickled inside an RPC (as an argument or a result of "
@@ -275,7 +275,7 @@ def _reduce_rref(rref: RRef) -> tuple:
 def _rebuild_rref(rref_id: RRefId, owner: int, fork: ForkId | None, parent: int,
                   from_owner: bool, site: str, by_answer: bool = False) -> RRef:
     wire = current_context()
-    if not isinstance(wire, Wire):
+    if not isinstance(wire, MessageContext):
         raise NbrpcError("an RRef can only be unpickled inside an RPC message")
     agent = wire.agent
     ctx: RRefContext = agent.ext["rref"]
