@@ -46,7 +46,7 @@ import threading
 import types
 import weakref
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from itertools import repeat
 from operator import attrgetter, is_
@@ -244,10 +244,22 @@ _entries_lock = threading.Lock()
 _made: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 
 
-def _blob(obj: Any) -> bytes:
-    from .pickler import dumps  # (pickler imports this module)
+# How a definition's blob is pickled: :mod:`.pickler`'s ``dumps``, which that
+# module hands over when it is imported (it imports this one, so this one does
+# not import it back). The package's ``__init__`` imports both.
+_dumps: Callable[[Any], tuple[bytes, list]] | None = None
 
-    payload, buffers = dumps(obj)
+
+def use_pickler(dumps: Callable[[Any], tuple[bytes, list]]) -> None:
+    """Make ``dumps`` the pickler of cached definitions (:mod:`.pickler` calls this)."""
+    global _dumps
+    _dumps = dumps
+
+
+def _blob(obj: Any) -> bytes:
+    if _dumps is None:
+        raise RuntimeError("nbrpc.serialize.pickler was not imported: import nbrpc.serialize")
+    payload, buffers = _dumps(obj)
     if buffers:  # not reachable through a cacheable definition (tensors are not leaves)
         raise SerializationError("a cached definition carried out-of-band buffers")
     return payload

@@ -32,6 +32,7 @@ import numpy as np
 import torch
 
 from ..errors import SerializationError
+from . import code
 from .code import entry_for
 from .source import reduce_code
 
@@ -303,3 +304,6 @@ def loads(payload: bytes, buffers: list, context: Any = None) -> Any:
 def _describe(obj: Any) -> str:
     text = repr(obj)
     return text if len(text) < 120 else text[:117] + "..."
+
+
+code.use_pickler(dumps)  # cached definitions are pickled by this module's dumps
