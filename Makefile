@@ -51,10 +51,12 @@ lab: $(LAB_STAMP)
 	done
 	$(PY) tools/lab.py $(LAB_DIR) $(LAB_ARGS)
 
+# The tutorials are compared with their saved outputs (nbval) inside the suite, in
+# the environment binder/ builds (tests/test_binder.py): they run once, as Binder
+# would run them. `make test-notebooks` runs nbval in this environment instead.
 test: $(STAMP) system-deps
 	$(PY) -m ruff check nbrpc tests benchmarks examples tools
 	$(PYTEST)
-	$(PYTEST) $(NBVAL) notebooks/
 
 test-fast: $(STAMP)
 	$(PYTEST) -m "not multiprocess and not torch_rpc and not cluster and not netns and not slurm and not mpi and not browser and not faults and not binder and not torch_suites and not lab"

@@ -15,10 +15,14 @@ copy of the working tree without the ignored paths (``.venv``, ``build``,
 ``*.egg-info``...: a fresh clone has none, and pip's in-tree build of ``.`` then
 writes into the copy, never into the repository), ``binder/requirements.txt``
 installed alone with the venv's pip from the copy's root, then ``ipykernel`` and
-``nbclient`` only, as stand-ins for repo2docker's base environment. The venv's
-torch must be the CPU build 2.13.0 with no ``nvidia-*`` package, the kernel must
-be the venv's interpreter, and every ``notebooks/*.ipynb`` must run top to bottom
-in it, each cell bounded. Executed copies are written to the test's tmp dir.
+``nbclient`` only, as stand-ins for repo2docker's base environment, and ``nbval``
+(with pytest) to compare. The venv's torch must be the CPU build 2.13.0 with no
+``nvidia-*`` package, the kernel must be the venv's interpreter, and every
+``notebooks/*.ipynb`` must run top to bottom in it under nbval, each cell bounded,
+and match its saved outputs (the cells' ``text/plain``;
+``notebooks/nbval_sanitize.cfg`` masks what varies between runs). This is where
+``make test`` compares the tutorials: they run once, in the environment Binder
+would build (``make test-notebooks`` runs nbval in the development environment).
 
 pip finds torch where this machine's pip configuration says (here a local
 ``torch-2.13.0+cpu`` wheel; ``download.pytorch.org`` may be unreachable), so this
@@ -48,7 +52,8 @@ REPO = Path(__file__).resolve().parent.parent
 # Globbed at collection: tutorials still being written join when they land.
 NOTEBOOKS = sorted((REPO / "notebooks").glob("*.ipynb"))
 KERNEL = "nbrpc-binder"  # a name no kernel spec outside the venv can shadow
-CELL_TIMEOUT = 120  # s per cell (nbclient interrupts the kernel and fails)
+CELL_TIMEOUT = 120  # s per cell of the probe notebook (nbclient interrupts and fails)
+NBVAL_CELL_TIMEOUT = 90  # s per tutorial cell, as the Makefile's NBVAL
 NOTEBOOK_TIMEOUT = 600  # s per notebook, kernel start and shutdown included
 PIP_TIMEOUT = 600  # s per pip install
 # What a fresh clone does not have: ignored paths and build leftovers.
@@ -150,6 +155,9 @@ def binder_env(tmp_path_factory: pytest.TempPathFactory) -> BinderEnv:
     # which brings these: the kernel, and what runs notebooks without a browser.
     _run([python, "-m", "pip", "install", "--no-cache-dir", "ipykernel", "nbclient"],
          cwd=repo, env=env, timeout=PIP_TIMEOUT, what="pip install ipykernel nbclient")
+    # What compares the tutorials with their saved outputs (not on Binder: ours).
+    _run([python, "-m", "pip", "install", "--no-cache-dir", "nbval", "pytest"],
+         cwd=repo, env=env, timeout=PIP_TIMEOUT, what="pip install nbval pytest")
     _run([python, "-m", "ipykernel", "install", "--prefix", venv, "--name", KERNEL,
           "--display-name", "Python 3 (Binder venv)"],
          cwd=root, env=env, timeout=120, what="ipykernel install")
@@ -202,8 +210,17 @@ def test_kernel_is_the_venv_interpreter(binder_env: BinderEnv) -> None:
 
 
 @pytest.mark.parametrize("notebook", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
-def test_notebook_runs_top_to_bottom(binder_env: BinderEnv, notebook: Path) -> None:
+def test_notebook_matches_its_saved_outputs(binder_env: BinderEnv, notebook: Path) -> None:
+    """nbval, run by the venv's pytest in the copy's root: the kernel is the
+    venv's interpreter (``--nbval-current-env``), every cell runs and its
+    ``text/plain`` is compared, sanitized."""
     b = binder_env
     src = b.repo / "notebooks" / notebook.name
     assert src.is_file(), f"{notebook.name} vanished after collection"
-    _execute(b, src, b.scratch / notebook.name, what=f"{notebook.name} in the Binder env")
+    out = _run([b.python, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--nbval",
+                "--nbval-current-env", "--nbval-sanitize-with", "notebooks/nbval_sanitize.cfg",
+                f"--nbval-cell-timeout={NBVAL_CELL_TIMEOUT}", f"notebooks/{notebook.name}"],
+               cwd=b.repo, env=b.env, timeout=NOTEBOOK_TIMEOUT,
+               what=f"nbval of {notebook.name} in the Binder env")
+    summary = ANSI.sub("", out).strip().splitlines()[-1]
+    assert re.search(r"\d+ passed", summary) and "failed" not in summary, out[-4000:]
