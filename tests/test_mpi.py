@@ -21,16 +21,14 @@ from __future__ import annotations
 
 import json
 import os
-import secrets
 import shutil
-import subprocess
 import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from test_netns import REPO, Net, _cmdline, _text, _Unavailable, build
+from test_netns import CLUSTER_CHECKS, REPO, Net, _cmdline, drive, hosts
 
 pytestmark = pytest.mark.mpi
 
@@ -61,14 +59,8 @@ def net() -> Iterator[Net]:
         import mpi4py  # noqa: F401
     except ImportError:
         pytest.skip("mpi4py is not installed (it is in nbrpc's test extras)")
-    try:
-        n = build(f"nbmpi-{os.getpid()}-{secrets.token_hex(2)}")
-    except _Unavailable as e:
-        pytest.skip(f"cannot build network namespaces here: {e}")
-    try:
+    with hosts("nbmpi") as n:
         yield n
-    finally:
-        n.teardown()
 
 
 DRIVER = r'''
@@ -89,17 +81,7 @@ def where():
             "mpi_size": os.environ.get("OMPI_COMM_WORLD_SIZE")}
 
 
-def make(n):
-    return torch.arange(n, dtype=torch.float32)
-
-
-def fetch_sum(rref):
-    return float(rref.to_here().sum())
-
-
-def forward(w, x):
-    return torch.tanh(w * x).sum()
-
+''' + CLUSTER_CHECKS + r'''
 
 options = {"mpi_args": ["--hostfile", cfg["hostfile"], "--mca", "plm_rsh_agent", cfg["ssh"]]}
 t0 = time.monotonic()
@@ -115,14 +97,7 @@ try:
     out["rref"] = {"owner": rref.owner_name(), "via_worker1": rpc.rpc_sync(
         "worker1", fetch_sum, args=(rref,))}
     del rref
-    w = torch.randn(5, requires_grad=True)
-    x = torch.randn(5)
-    with autograd.context() as ctx:
-        autograd.backward(ctx, [rpc.rpc_sync("worker3", forward, args=(w, x))])
-        grad = autograd.get_gradients(ctx)[w]
-    wl = w.detach().clone().requires_grad_()
-    forward(wl, x).backward()
-    out["grad_match"] = bool(torch.allclose(grad, wl.grad))
+    out["grad_match"] = grad_matches("worker3")
 
     t1 = time.monotonic()
     cluster.restart("worker3", progress=False)
@@ -149,19 +124,7 @@ def test_one_mpiexec_spreads_the_workers_and_restart_keeps_their_place(
     env.update(PYTHONUNBUFFERED="1", TMPDIR=str(tmp_path), PYTHONPATH=str(REPO),
                OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
     cmd = ["ip", "netns", "exec", net.ns("h1"), sys.executable, "-c", DRIVER, json.dumps(cfg)]
-    try:
-        r = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=tmp_path,
-                           timeout=DRIVER_TIMEOUT)
-    except subprocess.TimeoutExpired as e:
-        pytest.fail(f"the driver did not finish within {DRIVER_TIMEOUT:g} s:\n"
-                    f"{_text(e.stdout)[-4000:]}\n{_text(e.stderr)[-6000:]}", pytrace=False)
-    lines = [ln for ln in r.stdout.splitlines() if ln.startswith(MARK)]
-    if os.environ.get("NBRPC_MPI_DEBUG"):
-        Path(os.environ["NBRPC_MPI_DEBUG"]).write_text(r.stdout + "\n=====\n" + r.stderr)
-    if r.returncode != 0 or not lines:
-        pytest.fail(f"the driver failed (exit {r.returncode}):\n{r.stdout[-4000:]}\n"
-                    f"{r.stderr[-6000:]}", pytrace=False)
-    out = json.loads(lines[-1][len(MARK):])
+    out = drive(cmd, env=env, cwd=tmp_path, timeout=DRIVER_TIMEOUT, mark=MARK)
 
     workers = out["workers"]
     inodes = {net.inode(h): net.ns(h) for h in WORKER_HOSTS}

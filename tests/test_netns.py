@@ -55,7 +55,8 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -166,14 +167,16 @@ def build(prefix: str, hosts: dict[str, int] | None = None) -> Net:
     return net
 
 
-@pytest.fixture
-def net() -> Iterator[Net]:
+@contextmanager
+def hosts(tag: str, hosts: dict[str, int] | None = None) -> Iterator[Net]:
+    """Namespace hosts (:func:`build`) named ``<tag>-<pid>-<hex>-...``, torn down
+    whatever happens; skips the test, saying why, where they cannot be built."""
     if sys.platform != "linux":
         pytest.skip("network namespaces are Linux-only")
     if shutil.which("ip") is None:
         pytest.skip("iproute2's `ip` is not installed")
     try:
-        n = build(f"nbrpc-{os.getpid()}-{secrets.token_hex(2)}")
+        n = build(f"{tag}-{os.getpid()}-{secrets.token_hex(2)}", hosts)
     except _Unavailable as e:
         pytest.skip(f"cannot build network namespaces here (needs root, veth and bridge "
                     f"support): {e}")
@@ -181,6 +184,41 @@ def net() -> Iterator[Net]:
         yield n
     finally:
         n.teardown()
+
+
+@pytest.fixture
+def net() -> Iterator[Net]:
+    with hosts("nbrpc") as n:
+        yield n
+
+
+# What the cluster tiers (netns, slurm, mpi) check through their driver scripts:
+# functions defined in the driver's __main__, so they travel by value.
+CLUSTER_CHECKS = r'''
+def make(n):
+    return torch.arange(n, dtype=torch.float32)
+
+
+def fetch_sum(rref):
+    return float(rref.to_here().sum())
+
+
+def forward(w, x):
+    return torch.tanh(w * x).sum()
+
+
+def grad_matches(worker):
+    """Distributed autograd through ``worker`` against local autograd."""
+    from nbrpc import autograd
+    w = torch.randn(5, requires_grad=True)
+    x = torch.randn(5)
+    with autograd.context() as ctx:
+        autograd.backward(ctx, [rpc.rpc_sync(worker, forward, args=(w, x))])
+        grad = autograd.get_gradients(ctx)[w]
+    wl = w.detach().clone().requires_grad_()
+    forward(wl, x).backward()
+    return bool(torch.allclose(grad, wl.grad))
+'''
 
 
 # The driver, run in h1 with its config (JSON) as argv[1]. Functions defined
@@ -301,18 +339,27 @@ def run_driver(net: Net, launcher: str, options: dict, tmp: Path,
     env = {k: v for k, v in os.environ.items() if k != "NBRPC_HOST"}
     env.update(PYTHONUNBUFFERED="1", TMPDIR=str(tmp))  # the cluster's profile dir goes there
     cmd = ["ip", "netns", "exec", net.ns("h1"), sys.executable, "-c", DRIVER, json.dumps(cfg)]
+    return drive(cmd, env=env, cwd=REPO, timeout=DRIVER_TIMEOUT, mark=MARK)
+
+
+def drive(cmd: list[str], *, env: dict[str, str], cwd: Path, timeout: float, mark: str,
+          also: Callable[[], str] = lambda: "") -> dict:
+    """Run a driver script; return what its last ``mark`` line says (JSON), with
+    its ``stdout`` and ``stderr`` tails. Fails the test with its output (and
+    ``also()``: daemons' logs) if it fails, prints no result, or outlives ``timeout``."""
     try:
-        r = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO,
-                           timeout=DRIVER_TIMEOUT)
+        r = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=cwd,
+                           timeout=timeout)
     except subprocess.TimeoutExpired as e:
-        pytest.fail(f"the driver did not finish within {DRIVER_TIMEOUT:g} s; its output:\n"
-                    f"{_text(e.stdout)[-4000:]}\n{_text(e.stderr)[-6000:]}", pytrace=False)
-    lines = [ln for ln in r.stdout.splitlines() if ln.startswith(MARK)]
+        pytest.fail(f"the driver did not finish within {timeout:g} s; its output:\n"
+                    f"{_text(e.stdout)[-4000:]}\n{_text(e.stderr)[-6000:]}\n{also()}",
+                    pytrace=False)
+    lines = [ln for ln in r.stdout.splitlines() if ln.startswith(mark)]
     if r.returncode != 0 or not lines:
         pytest.fail(f"the driver failed (exit {r.returncode}):\n{r.stdout[-4000:]}\n"
-                    f"{r.stderr[-6000:]}", pytrace=False)
-    out = json.loads(lines[-1][len(MARK):])
-    out["stderr"] = r.stderr[-6000:]
+                    f"{r.stderr[-6000:]}\n{also()}", pytrace=False)
+    out = json.loads(lines[-1][len(mark):])
+    out["stdout"], out["stderr"] = r.stdout[-6000:], r.stderr[-6000:]
     return out
 
 

@@ -27,15 +27,13 @@ from __future__ import annotations
 
 import json
 import os
-import secrets
-import subprocess
 import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from test_netns import REPO, Net, _cmdline, _text, _Unavailable, build
+from test_netns import REPO, Net, _cmdline, drive, hosts
 
 pytestmark = pytest.mark.netns
 
@@ -50,16 +48,8 @@ RSS_OVER_TORCH_MIB = 30.0  # an idle worker's RSS over a fresh `import torch`
 
 @pytest.fixture
 def net() -> Iterator[Net]:
-    if sys.platform != "linux" or os.geteuid() != 0:
-        pytest.skip("needs Linux and root (network namespaces)")
-    try:
-        n = build(f"nbsc-{os.getpid()}-{secrets.token_hex(2)}", HOSTS)
-    except _Unavailable as e:
-        pytest.skip(f"cannot build network namespaces here: {e}")
-    try:
+    with hosts("nbsc", HOSTS) as n:
         yield n
-    finally:
-        n.teardown()
 
 
 DRIVER = r'''
@@ -151,17 +141,7 @@ def test_32_workers_on_4_hosts(net: Net, tmp_path: Path,
     env = {k: v for k, v in os.environ.items() if not k.startswith("NBRPC_")}
     env.update(PYTHONUNBUFFERED="1", TMPDIR=str(tmp_path), PYTHONPATH=str(REPO))
     cmd = ["ip", "netns", "exec", net.ns("h1"), sys.executable, "-c", DRIVER, json.dumps(cfg)]
-    try:
-        r = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=tmp_path,
-                           timeout=DRIVER_TIMEOUT)
-    except subprocess.TimeoutExpired as e:
-        pytest.fail(f"the driver did not finish within {DRIVER_TIMEOUT:g} s:\n"
-                    f"{_text(e.stdout)[-4000:]}\n{_text(e.stderr)[-6000:]}", pytrace=False)
-    lines = [ln for ln in r.stdout.splitlines() if ln.startswith(MARK)]
-    if r.returncode != 0 or not lines:
-        pytest.fail(f"the driver failed (exit {r.returncode}):\n{r.stdout[-4000:]}\n"
-                    f"{r.stderr[-6000:]}", pytrace=False)
-    out = json.loads(lines[-1][len(MARK):])
+    out = drive(cmd, env=env, cwd=tmp_path, timeout=DRIVER_TIMEOUT, mark=MARK)
 
     # every worker on its host: 8 per host
     inodes = {net.inode(h): h for h in WORKER_HOSTS}

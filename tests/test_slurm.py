@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-from test_netns import REPO, _ip, _text, _Unavailable
+from test_netns import CLUSTER_CHECKS, REPO, Net, _ip, _Unavailable, drive
 
 pytestmark = pytest.mark.slurm
 
@@ -104,8 +104,10 @@ class Slurm:
     dir: Path
     prefix: str
     uplink: str  # the machine-side veth's name
-    namespaces: list[str] = field(default_factory=list)
     daemons: list[subprocess.Popen] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.net = Net(self.prefix, [], {h: o for h, o in HOSTS.items()})
 
     @property
     def env(self) -> dict[str, str]:
@@ -115,10 +117,10 @@ class Slurm:
         return env
 
     def ns(self, host: str) -> str:
-        return f"{self.prefix}-{host}"
+        return self.net.ns(host)
 
     def inode(self, host: str) -> str:
-        return f"net:[{os.stat(f'/run/netns/{self.ns(host)}').st_ino}]"
+        return self.net.inode(host)
 
     def run(self, *cmd: str, timeout: float = 15) -> subprocess.CompletedProcess:
         return subprocess.run(list(cmd), capture_output=True, text=True, env=self.env,
@@ -186,7 +188,7 @@ class Slurm:
         """The bridge, the hosts, and the machine's veth onto the bridge."""
         sw = self.ns("sw")
         _ip("netns", "add", sw, probe=True)
-        self.namespaces.append(sw)
+        self.net.created.append(sw)
         _ip("-n", sw, "link", "add", "br0", "type", "bridge", probe=True)
         _ip("-n", sw, "link", "set", "br0", "up")
         # the machine's end gets a name unique to the run; the other end lives in sw
@@ -198,7 +200,7 @@ class Slurm:
         for host, octet in HOSTS.items():
             ns = self.ns(host)
             _ip("netns", "add", ns, probe=True)
-            self.namespaces.append(ns)
+            self.net.created.append(ns)
             _ip("-n", sw, "link", "add", f"v{host}", "type", "veth", "peer", "name", "eth0",
                 "netns", ns)
             _ip("-n", sw, "link", "set", f"v{host}", "master", "br0", "up")
@@ -221,24 +223,7 @@ class Slurm:
             except subprocess.TimeoutExpired:
                 os.killpg(p.pid, signal.SIGKILL)
                 p.wait(5)
-        for name in self.namespaces:
-            try:
-                pids = _ip("netns", "pids", name).split()
-            except RuntimeError:
-                pids = []
-            for pid in pids:
-                try:
-                    os.kill(int(pid), signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-        for name in reversed(self.namespaces):
-            for _ in range(5):
-                try:
-                    _ip("netns", "del", name)
-                    break
-                except RuntimeError:
-                    time.sleep(0.2)
-        self.namespaces.clear()
+        self.net.teardown()  # kills what is left in them (jobs' processes) first
         try:
             _ip("link", "del", self.uplink)
         except RuntimeError:
@@ -274,20 +259,7 @@ def run_driver(slurm: Slurm, script: str, cfg: dict, cwd: Path) -> dict:
     cfg = {**cfg, "addr": UPLINK, "mark": MARK}
     cmd = [sys.executable, "-c", script, json.dumps(cfg)]
     env = {**slurm.env, "PYTHONPATH": str(REPO)}
-    try:
-        r = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=cwd,
-                           timeout=DRIVER_TIMEOUT)
-    except subprocess.TimeoutExpired as e:
-        pytest.fail(f"the driver did not finish within {DRIVER_TIMEOUT:g} s:\n"
-                    f"{_text(e.stdout)[-4000:]}\n{_text(e.stderr)[-6000:]}\n{slurm.logs()}",
-                    pytrace=False)
-    lines = [ln for ln in r.stdout.splitlines() if ln.startswith(MARK)]
-    if r.returncode != 0 or not lines:
-        pytest.fail(f"the driver failed (exit {r.returncode}):\n{r.stdout[-4000:]}\n"
-                    f"{r.stderr[-6000:]}\n{slurm.logs()}", pytrace=False)
-    out = json.loads(lines[-1][len(MARK):])
-    out["stdout"], out["stderr"] = r.stdout[-6000:], r.stderr[-6000:]
-    return out
+    return drive(cmd, env=env, cwd=cwd, timeout=DRIVER_TIMEOUT, mark=MARK, also=slurm.logs)
 
 
 def assert_queue_empty(slurm: Slurm, why: str) -> None:
@@ -327,17 +299,7 @@ from nbrpc.cluster import Cluster
 from nbrpc.errors import WorkerGoneError
 
 
-def make(n):
-    return torch.arange(n, dtype=torch.float32)
-
-
-def fetch_sum(rref):
-    return float(rref.to_here().sum())
-
-
-def forward(w, x):
-    return torch.tanh(w * x).sum()
-
+''' + CLUSTER_CHECKS + r'''
 
 def _start_error(cluster):
     try:
@@ -363,15 +325,7 @@ try:
                    "via_worker1": rpc.rpc_sync("worker1", fetch_sum, args=(rref,))}
     del rref
 
-    w = torch.randn(5, requires_grad=True)
-    x = torch.randn(5)
-    with autograd.context() as ctx:
-        loss = rpc.rpc_sync("worker2", forward, args=(w, x))
-        autograd.backward(ctx, [loss])
-        grad = autograd.get_gradients(ctx)[w]
-    wl = w.detach().clone().requires_grad_()
-    forward(wl, x).backward()
-    out["grad_match"] = bool(torch.allclose(grad, wl.grad))
+    out["grad_match"] = grad_matches("worker2")
 
     # Slurm cancels worker2's job: the group finds it dead, calls fail by name
     job = cluster.workers["worker2"].job.job_id
