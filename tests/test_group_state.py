@@ -71,6 +71,28 @@ def test_dynamic_group_join_and_leave() -> None:
     assert c.on_leave(2) == []
 
 
+def test_a_process_removed_on_purpose_is_never_taken_back() -> None:
+    """A restart: the old process (still alive, e.g. held in MPI_Finalize) may
+    heartbeat or join again; its rank's new process joins as usual."""
+    import dataclasses
+
+    c = Coordinator(None)
+    c.on_join(Join(m("driver", 0), None))
+    old = dataclasses.replace(m("w1", 1), incarnation=11)
+    c.on_join(Join(old, None))
+    c.banish(1)
+    c.on_leave(1, dead=True, why="was restarted")
+    assert not c.readmits(1, old.incarnation)  # its heartbeat takes it back: no
+    assert c.on_join(Join(old, None)) == [] and 1 not in c.members  # nor its join
+    new = dataclasses.replace(m("w1", 1), incarnation=12, address="tcp://127.0.0.1:6001")
+    assert c.readmits(1, new.incarnation)
+    out = c.on_join(Join(new, None))
+    assert c.members[1] == new and out[0] == (1, Members(c.table(), to=12))
+    # a member dropped as dead (not removed) is still taken back when heard
+    c.on_leave(1, dead=True)
+    assert c.readmits(1, new.incarnation)
+
+
 def _report(rnd: int, rank: int, active: int, sent: int, served: int) -> DrainReport:
     """Two-member group: everything is sent to and served for the other one."""
     other = 1 - rank

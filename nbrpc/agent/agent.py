@@ -289,6 +289,7 @@ class Agent(Caller, Callee, Control, Shutdown):
 
         def run() -> None:
             if rank in self.members and rank != self.rank:
+                self._coordinator.banish(rank)  # that process is not taken back
                 self._dispatch(self._coordinator.on_leave(rank, dead=dead, why=why))
                 self._remove_member(rank, dead=dead, why=why)
 

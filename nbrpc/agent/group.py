@@ -113,6 +113,10 @@ class Coordinator:
         self.members: dict[int, Member] = {}
         self.last_seen: dict[int, float] = {}  # rank -> monotonic time last heard
         self.left: set[int] = set()  # ranks that left on purpose (not taken back by heartbeat)
+        # incarnations removed on purpose (Agent.expel: a restart, a removal): never
+        # taken back, whether they heartbeat or join again; their rank's next
+        # process (another incarnation) joins as usual
+        self.banished: set[int] = set()
         # ranks dropped (or that thought they were) and back: requests to or from
         # them may have been lost, so their pairs' counts need not balance
         self.broken: set[int] = set()
@@ -134,8 +138,16 @@ class Coordinator:
     def table(self) -> tuple[Member, ...]:
         return tuple(sorted(self.members.values(), key=lambda m: m.rank))
 
+    def banish(self, rank: int) -> None:
+        """``rank``'s current process is removed on purpose: it is not taken back."""
+        m = self.members.get(rank)
+        if m is not None:
+            self.banished.add(m.incarnation)
+
     def on_join(self, join: Join) -> Outbox:
         m = join.member
+        if m.incarnation in self.banished:
+            return []  # a process its driver replaced: it stays out
         if self.failed is not None:
             self.told.add(m.rank)
             return [(m.rank, Members((), self.failed, m.incarnation))]
@@ -250,10 +262,11 @@ class Coordinator:
                if since is not None and r in self.last_seen and r != 0]
         return min(due, default=None)
 
-    def readmits(self, rank: int) -> bool:
+    def readmits(self, rank: int, incarnation: int | None = None) -> bool:
         """Whether a heartbeat from ``rank`` (not a member) takes it back: it was
-        dropped as dead, not after leaving on purpose."""
-        return rank not in self.members and rank not in self.left
+        dropped as dead, not after leaving, nor removed, on purpose."""
+        return (rank not in self.members and rank not in self.left
+                and incarnation not in self.banished)
 
     # -- graceful shutdown ------------------------------------------------------
     def on_drain_report(self, sender: int, report: DrainReport) -> Outbox:

@@ -115,6 +115,8 @@ class Control:
 
     def _on_join(self, join: Join) -> None:
         m = join.member
+        if m.incarnation in self._coordinator.banished:
+            return  # a process removed on purpose: not answered, its address not taken
         holder = self._coordinator.members.get(m.rank)
         out = self._coordinator.on_join(join)
         refusal = next((r.error for _, r in out if type(r) is Members and r.error), None)
@@ -222,7 +224,7 @@ class Control:
         (as a re-join); a member whose coordinator came back joins it again."""
         m = beat.member
         if self._coordinator is not None:
-            if self._coordinator.readmits(m.rank) and self.state == "ready":
+            if self._coordinator.readmits(m.rank, m.incarnation) and self.state == "ready":
                 log.warning("nbrpc coordinator %r: %r (rank %d) is alive after all; "
                             "taking it back", self.name, m.name, m.rank)
                 self.readmitted += 1

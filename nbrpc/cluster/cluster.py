@@ -524,8 +524,9 @@ class Cluster:
         if shared and w.engine_id is not None and self.client is not None:
             # One process of an mpiexec that runs other workers too: it cannot be
             # killed (mpiexec would abort them all), and after the shutdown below
-            # Open MPI holds it in MPI_Finalize until they end. Its agent, still
-            # heartbeating meanwhile, would be taken back: stop it first.
+            # Open MPI holds it in MPI_Finalize until they end. The expel above
+            # keeps its agent out of the group (banished); stop that agent too,
+            # so the idle process holds no sockets or threads meanwhile.
             try:
                 self.client[w.engine_id].apply_async(engine_side.stop_agent).get(
                     STOP_AGENT_TIMEOUT)
