@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from nbrpc.agent.group import Coordinator
@@ -165,6 +167,15 @@ def test_a_closed_link_expires_a_member_sooner_than_silence() -> None:
     c.heard_from(1, 11.4)  # but it spoke meanwhile (its link came back): alive
     assert c.expired(11.5, 30.0, 1.0, down) == []
     assert c.expired(40.5, 30.0, 1.0, down) == [1, 2]  # and the long timeout still holds
+
+
+def test_by_default_only_a_down_link_expires_a_member_never_silence() -> None:
+    c = _static(3)
+    c.watch_all(10.0)
+    forever = math.inf  # failure_timeout's default on Linux (test_liveness checks it)
+    up = {1: None, 2: None}
+    assert c.expired(10.0 + 3600, forever, 1.0, up) == []  # busy for an hour: a member
+    assert c.expired(10.0 + 3600, forever, 1.0, {1: 3600.0, 2: None}) == [1]  # link down
 
 
 def test_a_member_declared_dead_is_readmitted_but_one_that_left_is_not() -> None:

@@ -21,7 +21,9 @@ from targets import add, sleep_then
 
 from nbrpc.agent import Agent, AgentOptions
 from nbrpc.errors import RendezvousError, SerializationError, WorkerGoneError
+from nbrpc.rpc.options import read_options
 from nbrpc.transport import ShmRef, new_key, pack
+from nbrpc.transport.zmqhub import LOST_HOSTS_CLOSE_LINKS
 
 
 def unpicklable():
@@ -33,9 +35,15 @@ def _tables_full(agents: list[Agent]) -> bool:
     return all(set(a.member_ranks()) == ranks and a.state == "ready" for a in agents)
 
 
-def test_a_stopped_process_is_noticed_by_its_connection_not_the_long_timeout() -> None:
-    with local_group(["a", "b", "c"]) as (a, b, c):  # default failure_timeout: 30 s
-        assert a.options.failure_timeout == 30.0
+def test_by_default_silence_alone_never_makes_a_member_dead_on_linux() -> None:
+    # the kernel vouches for a linked member however long its Python is silent
+    assert AgentOptions().failure_timeout == (math.inf if LOST_HOSTS_CLOSE_LINKS else 30.0)
+    assert read_options(None)["failure_timeout"] == AgentOptions().failure_timeout
+
+
+def test_a_stopped_process_is_noticed_by_its_connection_not_a_silence_rule() -> None:
+    with local_group(["a", "b", "c"]) as (a, b, c):  # default failure_timeout
+        assert a.options.failure_timeout == AgentOptions().failure_timeout
         fut = a.rpc_async("b", sleep_then, (5, "never"))
         t0 = time.monotonic()
         b.shutdown(graceful=False)  # its sockets close, as a killed process's would

@@ -13,8 +13,9 @@ Threads of one agent::
                                                  (the worker sends the reply itself)
 
 Failure detection (see :mod:`.group`): a member whose connection closed (its
-process exited) is declared dead after ``link_timeout``; one that is only
-silent (busy, stopped) after ``failure_timeout``. Its calls fail with
+process exited, its host vanished) is declared dead after ``link_timeout``;
+one that is only silent (busy, stopped) with its link up is not, unless
+``failure_timeout`` is set (then after that long). Its calls fail with
 :class:`WorkerGoneError`, upper layers' ``gone_hooks`` run (the RRef layer
 releases the forks it held), and the shared-memory segments it left are
 swept. Every ``heartbeat_interval`` members and the coordinator exchange
@@ -296,8 +297,7 @@ class Agent(Caller, Callee, Control, Shutdown):
         self.io.call_soon(run)
 
     def _remove_member(self, rank: int, dead: bool = False, why: str | None = None) -> None:
-        why = why or ("died (no heartbeat for "
-                      f"{self.options.failure_timeout:g} s)" if dead else "left the group")
+        why = why or ("died" if dead else "left the group")
         m = self.members.remove(rank, why)
         if m is None:
             return

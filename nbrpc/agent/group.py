@@ -33,13 +33,14 @@ the transport closes a TCP connection whose data stays unacknowledged for a
 second (``TCP_USER_TIMEOUT``; heartbeats keep data in flight). Either way the
 link goes down: a member whose link has been down for ``link_timeout`` (1 s)
 and who has been silent as long is dead. A process that is busy (a C call
-holding the GIL), swapping or stopped keeps its connections acknowledged by
-its kernel (a stopped one that more is sent to than its socket takes has
-that connection closed, but its kernel answers the redial at once: its link
-is not down long enough to count), and is declared dead only after
-``failure_timeout`` (30 s)
-without a heartbeat: the rule for what the kernels cannot show, such as a
-host behind a proxy that acknowledges for it. A member declared dead that is
+holding the GIL, for minutes if need be), swapping or stopped keeps its
+connections acknowledged by its kernel (a stopped one that more is sent to
+than its socket takes has that connection closed, but its kernel answers the
+redial at once: its link is not down long enough to count), so it stays a
+member: its kernel vouches for it, off its GIL. Silence alone counts only
+where ``failure_timeout`` is finite: by default where the kernel does not
+close a lost host's links (not Linux: 30 s), or when a user asks for it (a
+host behind a proxy that acknowledges for it). A member declared dead that is
 heard from again (its heartbeat names it, or it asks to join again) is taken
 back, as a re-join: wrong suspicion costs the calls that failed meanwhile,
 never the membership.
@@ -233,11 +234,14 @@ class Coordinator:
                 down: dict[int, float | None] | None = None) -> list[int]:
         """Members (other than the coordinator) silent for longer than ``timeout``,
         or whose link has been down (``down[rank]``: since when) and who have
-        been silent for longer than ``link_timeout``.
+        been silent for longer than ``link_timeout``. With ``timeout`` infinite
+        (the default on Linux), silence with the link up never expires.
 
         >>> c = Coordinator(None); c.members = {1: None, 2: None}; c.watch_all(0.0)
         >>> c.expired(5.0, 30.0, 1.0, {1: 3.0, 2: None})
         [1]
+        >>> c.expired(600.0, float("inf"), 1.0, {1: None, 2: None})
+        []
         """
         out = []
         for r, seen in self.last_seen.items():

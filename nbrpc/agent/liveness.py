@@ -6,7 +6,8 @@ their handlers never block and never run user code. Every heartbeat interval
 :meth:`Control._tick` sends heartbeats and, on the coordinator, asks the
 :class:`~.group.Coordinator` whom to declare dead: a member whose connection
 closed (its process exited, or its host stopped acknowledging) after
-``link_timeout``, one that is only silent after ``failure_timeout``. A member
+``link_timeout``; one that is only silent, with its link up, after
+``failure_timeout`` (never, by default, where lost hosts close links). A member
 wrongly declared dead is taken back when heard; a member that gave up on its
 coordinator asks to join again at once, so that a partition that heals heals
 the group too (both sides gave up on each other; nobody else would call).

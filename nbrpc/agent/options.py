@@ -2,10 +2,17 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from ..transport.frames import DEFAULT_MAX_MESSAGE
+from ..transport.zmqhub import LOST_HOSTS_CLOSE_LINKS
 from .devices import DeviceConfig
+
+# Busy is not dead: where a lost host's links close (Linux), a member whose
+# kernel still acknowledges its connection is never declared dead for its
+# silence alone, however long a C call holds its GIL; elsewhere, after 30 s.
+DEFAULT_FAILURE_TIMEOUT = math.inf if LOST_HOSTS_CLOSE_LINKS else 30.0
 
 
 @dataclass
@@ -17,8 +24,9 @@ class AgentOptions:
     event_log_size: int = 10_000
     heartbeat_interval: float = 0.5  # seconds between heartbeats; 0 turns detection off
     # a member silent this long while its kernel still acknowledges its connection
-    # (busy, stopped, swapping: the rule for what the link cannot show) is declared dead
-    failure_timeout: float = 30.0
+    # (busy, stopped, swapping: the rule for what the link cannot show) is declared
+    # dead; by default never on Linux (see DEFAULT_FAILURE_TIMEOUT)
+    failure_timeout: float = DEFAULT_FAILURE_TIMEOUT
     # a member whose connection closed (its process exited, or its host stopped
     # acknowledging for about a second, zmqhub.UNACKED_MS: power loss, a partition,
     # a frozen VM) and that has been silent this long is declared dead

@@ -76,9 +76,10 @@ class Cluster:
     driver's agent listens on (loopback for local launchers, else the address
     that routes to the engines); ``controller_ip`` the controller's.
     ``failure_timeout``: seconds a worker may stay silent with its connection
-    up (busy in C code holding the GIL, stopped, its host unreachable) before
-    it is declared dead; a worker whose process exits is noticed within
-    about a second regardless. ``encrypt``: CURVE-encrypt the workers'
+    up (busy in C code holding the GIL, stopped) before it is declared dead;
+    by default (None) each agent's own: never on Linux, where a worker whose
+    process exits is noticed within about a second and one whose host
+    vanishes within about three, regardless. ``encrypt``: CURVE-encrypt the workers'
     connections (for engines on networks you do not trust).
 
     >>> import torch
@@ -105,7 +106,7 @@ class Cluster:
         host: str | None = None,
         controller_ip: str | None = None,
         heartbeat: float = 0.5,
-        failure_timeout: float = 30.0,
+        failure_timeout: float | None = None,
         encrypt: bool = False,
         profile_dir: str | None = None,
         progress: bool | None = None,
@@ -124,9 +125,9 @@ class Cluster:
         self.timeout = float(timeout)
         self.rpc_timeout = float(rpc_timeout)
         self.heartbeat = float(heartbeat)
-        self.failure_timeout = float(failure_timeout)
+        self.failure_timeout = None if failure_timeout is None else float(failure_timeout)
         self.encrypt = bool(encrypt)
-        if not self.failure_timeout >= 2 * self.heartbeat:
+        if self.failure_timeout is not None and not self.failure_timeout >= 2 * self.heartbeat:
             raise ValueError(f"failure_timeout must be >= twice heartbeat ({2 * self.heartbeat:g}"
                              f" s), got {failure_timeout!r}")
         self.controller_ip = controller_ip
@@ -217,6 +218,11 @@ class Cluster:
             progress.close(f"{n} workers ready in {self.start_seconds:.1f} s")
             return self
 
+    def _failure_option(self) -> dict[str, float]:
+        """The agents' ``failure_timeout``, where the user set one (else each
+        agent keeps its own platform's default)."""
+        return {} if self.failure_timeout is None else {"failure_timeout": self.failure_timeout}
+
     def _start_infrastructure(self, progress: Progress) -> None:
         import ipyparallel as ipp
 
@@ -225,7 +231,7 @@ class Cluster:
         key = new_key()
         opts = AgentOptions(num_worker_threads=self.threads, rpc_timeout=self.rpc_timeout,
                             host=self.host, port=0, heartbeat_interval=self.heartbeat,
-                            failure_timeout=self.failure_timeout, encrypt=self.encrypt)
+                            encrypt=self.encrypt, **self._failure_option())
         self.agent = Agent("driver", 0, key, world_size=None, options=opts)
         self.agent.start(None, self.timeout)
         set_default_agent(self.agent)
@@ -373,8 +379,8 @@ class Cluster:
         deadline = time.monotonic() + self.timeout
         ranks = {w.name: w.rank for w in self.workers.values()}
         options = {"num_worker_threads": self.threads, "rpc_timeout": self.rpc_timeout,
-                   "heartbeat_interval": self.heartbeat,
-                   "failure_timeout": self.failure_timeout, "encrypt": self.encrypt}
+                   "heartbeat_interval": self.heartbeat, "encrypt": self.encrypt,
+                   **self._failure_option()}
         shown = ""
         while pending:
             self._assign_engines(client, pending)

@@ -87,9 +87,10 @@ def _cluster_parser() -> _Parser:
                    help="seconds to wait for the workers (default 60)")
     s.add_argument("--rpc-timeout", type=_positive_float, default=60.0,
                    help="default timeout of RPC calls, in seconds (default 60)")
-    s.add_argument("--failure-timeout", type=_positive_float, default=30.0,
+    s.add_argument("--failure-timeout", type=_positive_float, default=None,
                    help="seconds a busy or stopped worker may stay silent before it is "
-                        "declared dead (default 30; an exited worker is noticed at once)")
+                        "declared dead (default: never on Linux; an exited worker, or one "
+                        "whose host vanished, is noticed within seconds regardless)")
     s.add_argument("--encrypt", action="store_true",
                    help="CURVE-encrypt the workers' connections (networks you do not trust)")
     s.add_argument("--host", default=None,

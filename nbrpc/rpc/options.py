@@ -9,12 +9,12 @@ from typing import Any
 import torch
 
 from ..agent.devices import DeviceConfig
+from ..agent.options import DEFAULT_FAILURE_TIMEOUT
 
 DEFAULT_RPC_TIMEOUT_SEC = 60.0
 DEFAULT_INIT_METHOD = "env://"
 DEFAULT_NUM_WORKER_THREADS = 16
 UNSET_RPC_TIMEOUT = -1.0
-DEFAULT_FAILURE_TIMEOUT = 30.0
 FAILURE_TIMEOUT_ENV = "NBRPC_FAILURE_TIMEOUT"
 ENCRYPT_ENV = "NBRPC_ENCRYPT"
 LOCAL_IPC_ENV = "NBRPC_LOCAL_IPC"
@@ -49,10 +49,12 @@ class TensorPipeRpcBackendOptions(RpcBackendOptions):
 
     Beyond PyTorch's: ``failure_timeout``, how long a worker may stay silent
     while its connection is up (busy in C code holding the GIL, stopped)
-    before the group declares it dead; a worker whose process exits is
-    noticed within about a second, and one whose host vanishes from the
-    network (power loss, a partition) within about three, whatever this is. With
-    PyTorch's own options class, set ``NBRPC_FAILURE_TIMEOUT`` instead.
+    before the group declares it dead. By default that never happens on Linux
+    (busy is not dead, for minutes if need be; elsewhere: 30 s): a worker whose
+    process exits is noticed within about a second, and one whose host
+    vanishes from the network (power loss, a partition) within about three,
+    whatever this is. Set it to declare hung workers dead too. With PyTorch's
+    own options class, set ``NBRPC_FAILURE_TIMEOUT`` instead.
     ``max_message_size``: the most bytes a received message may declare.
     ``encrypt=True`` (or ``NBRPC_ENCRYPT=1``) encrypts every connection with
     ZeroMQ's CURVE, for traffic that crosses networks you do not trust; every

@@ -48,6 +48,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
+import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -85,6 +86,10 @@ _RCVMORE, _EVENTS, _POLLIN = int(zmq.RCVMORE), int(zmq.EVENTS), int(zmq.POLLIN)
 # its socket buffer holds. Its kernel answers the redial at once, so its link is
 # not down long enough to count, but the message cut off is lost.
 UNACKED_MS = 600
+# Where the kernel closes such a connection (TCP_USER_TIMEOUT is Linux's), a
+# member's link is proof enough that its process is alive, however long its
+# Python stays silent; elsewhere the agent needs a silence rule for lost hosts.
+LOST_HOSTS_CLOSE_LINKS = sys.platform.startswith("linux")
 # Dialling a lost host again: SYNs that go unanswered are given up after
 # CONNECT_MS (not the kernel's two minutes) and tried again, backing off from
 # 100 ms to REDIAL_MAX_MS, so a link that comes back is found within seconds.
