@@ -10,7 +10,9 @@ host, under a hostname of its own (a UTS namespace), as on real machines.
 (:mod:`nbrpc.cluster.mpi_engine` gives each MPI rank its worker), so they
 spread over h2 and h3 as the hostfile says. Then the RPC, RRef and distributed
 autograd checks; ``restart`` of one worker puts it back on its host under its
-name and rank, with the others untouched; ``stop`` leaves nothing running.
+name and rank, with the others untouched; a worker killed (SIGKILL) takes none
+of its ``mpiexec``'s other workers with it, and ``restart`` brings it back;
+``stop`` leaves nothing running.
 
 Needs root, iproute2, util-linux's ``unshare``, Open MPI and mpi4py (``make
 test`` installs them where it may); skipped, with the reason, where they are
@@ -103,6 +105,17 @@ try:
     cluster.restart("worker3", progress=False)
     out["restart_s"] = round(time.monotonic() - t1, 1)
     out["after"] = {w: rpc.rpc_sync(w, where) for w in cluster.names}
+
+    # a rank that dies (SIGKILL) takes nobody with it: mpiexec carries on
+    os.kill(out["after"]["worker2"]["pid"], 9)
+    t3, deadline = time.monotonic(), time.monotonic() + 20
+    while cluster.agent.gone_why(cluster.agent.rank_of("worker2")) is None:
+        assert time.monotonic() < deadline, "worker2's death was not noticed"
+        time.sleep(0.05)
+    out["kill_noticed_s"] = round(time.monotonic() - t3, 1)
+    out["survivors"] = {w: rpc.rpc_sync(w, where) for w in ("worker1", "worker4")}
+    cluster.restart("worker2", progress=False)
+    out["back"] = rpc.rpc_sync("worker2", where)
     out["status"] = str(cluster.status())
 finally:
     t2 = time.monotonic()
@@ -147,6 +160,11 @@ def test_one_mpiexec_spreads_the_workers_and_restart_keeps_their_place(
     assert new["host"] == workers["worker3"]["host"], (new, workers["worker3"])  # its place
     for name in ("worker1", "worker2", "worker4"):  # the rest of its mpiexec untouched
         assert after[name]["pid"] == workers[name]["pid"], (name, after[name], workers[name])
+    # worker2 killed: its mpiexec's other ranks live on; restart puts it back on its host
+    for name, w in out["survivors"].items():
+        assert w["pid"] == workers[name]["pid"], (name, w, workers[name])
+    assert out["back"]["pid"] != after["worker2"]["pid"], out["back"]
+    assert out["back"]["host"] == workers["worker2"]["host"], out["back"]
     assert "4 workers ready" in out["status"], out["status"]
 
     deadline = time.monotonic() + 10
@@ -156,4 +174,4 @@ def test_one_mpiexec_spreads_the_workers_and_restart_keeps_their_place(
     assert not left, f"left running in the hosts after stop() ({out['stop_s']} s): {left}"
     with capsys.disabled():  # the figures, in make test's output too
         print(f"\nmpi: start of 4 workers {out['start_s']} s, restart {out['restart_s']} s, "
-              f"stop {out['stop_s']} s")
+              f"a killed rank noticed in {out['kill_noticed_s']} s, stop {out['stop_s']} s")

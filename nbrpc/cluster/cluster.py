@@ -344,7 +344,8 @@ class Cluster:
         # ranks on other hosts get the engine's environment only if mpiexec is told
         names = {*kwargs["environment"], *mpi_engine.IPP_VARIABLES}
         mpiexec = (kwargs.get("mpi_cmd") or ["mpiexec"])[0]
-        kwargs["mpi_args"] = mpi_engine.forwarded(names, mpiexec) + mpi_args
+        kwargs["mpi_args"] = (mpi_engine.forwarded(names, mpiexec)
+                              + mpi_engine.survive_args(mpiexec) + mpi_args)
         self._loop.run(self._ipp.start_engines, len(group), set_id, timeout=self.timeout,
                        **kwargs)
         es = self._ipp.engines[set_id]
@@ -524,12 +525,14 @@ class Cluster:
     def _take_down(self, w: _Worker, dead: bool, why: str) -> None:
         """Tell the group ``w`` is gone (``dead``: as a failure), then stop its engine."""
         assert self.agent is not None and self._loop is not None
+        gone = self.agent.gone_why(w.rank) is not None  # found dead: nothing to stop in it
         self.agent.expel(w.rank, dead=dead, why=why)
         shared = any(o is not w and o.engine_set == w.engine_set and not o.exited
                      for o in self.workers.values())
-        if shared and w.engine_id is not None and self.client is not None:
-            # One process of an mpiexec that runs other workers too: it cannot be
-            # killed (mpiexec would abort them all), and after the shutdown below
+        if shared and not gone and w.engine_id is not None and self.client is not None:
+            # One process of an mpiexec that runs other workers too: it is not
+            # killed (an mpiexec other than Open MPI 4's, which survive_args
+            # tells to carry on, would abort them all), and after the shutdown below
             # Open MPI holds it in MPI_Finalize until they end. The expel above
             # keeps its agent out of the group (banished); stop that agent too,
             # so the idle process holds no sockets or threads meanwhile.

@@ -105,6 +105,28 @@ def forwarded(names: list[str] | set[str], mpiexec: str) -> list[str]:
     return [a for name in sorted(names) for a in ("-x", name)]
 
 
+def survive_args(mpiexec: str) -> list[str]:
+    """``mpiexec`` arguments that keep the other workers running when one
+    rank dies: Open MPI 4's runtime (OpenRTE) otherwise aborts the whole job
+    when any process exits badly or is killed, and a crashed worker would take
+    every worker of its ``mpiexec`` with it. (MPICH's Hydra and Open MPI 5
+    are left to their defaults: untested here.)
+
+    >>> survive_args("no-such-mpiexec")
+    []
+    """
+    exe = shutil.which(mpiexec)
+    if exe is None or not is_open_mpi(mpiexec):
+        return []
+    try:
+        r = subprocess.run([exe, "--version"], capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return []
+    if "OpenRTE" not in r.stdout + r.stderr:
+        return []
+    return ["--mca", "orte_abort_on_non_zero_status", "0"]
+
+
 def main() -> None:
     name, args = engine_argv(sys.argv[1:])
     os.environ[WORKER_ENV] = name
