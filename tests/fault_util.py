@@ -81,11 +81,13 @@ class GilTicker:
     def __init__(self) -> None:
         self.gap = 0.0
         self._stop = threading.Event()
+        self._running = threading.Event()
         self._thread = threading.Thread(target=self._run, name="gil-ticker", daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
         last = time.perf_counter()
+        self._running.set()
         while not self._stop.wait(0.005):
             now = time.perf_counter()
             self.gap, last = max(self.gap, now - last), now
@@ -96,8 +98,8 @@ class GilTicker:
         return self.gap
 
     def __enter__(self) -> GilTicker:
-        time.sleep(0.02)  # running: its first wake-up is the baseline
-        return self
+        assert self._running.wait(5), "the GIL ticker thread did not start"
+        return self  # running: its first wake-up is measured from its start
 
     def __exit__(self, *exc: object) -> None:
         self.stop()

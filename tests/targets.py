@@ -15,7 +15,18 @@ def add(a, b=0):
     return a + b
 
 
+def echo(x):
+    return x
+
+
+def whoami() -> str:
+    """The name of the worker this runs on (script mode: ``nbrpc.rpc``'s agent)."""
+    from nbrpc import rpc
+
+    return rpc.get_worker_info().name
+
+
 def sleep_then(seconds: float, value):
     """``value``, after ``seconds`` of sleep (the GIL released)."""
-    time.sleep(seconds)
+    time.sleep(seconds)  # deliberate: keeps a worker thread busy for ``seconds``
     return value

@@ -48,9 +48,9 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import poll_or_fail
+from conftest import poll_for, poll_or_fail
 from torch import nn
-from worlds import World, child, outcome, run_world, world_cache
+from worlds import World, await_death, child, outcome, run_world, world_cache
 
 from nbrpc import autograd as dist_autograd
 from nbrpc import rpc
@@ -198,9 +198,7 @@ def _await_no_contexts(timeout: float, ids: list[int] | None = None) -> float:
 def _left_after(timeout: float) -> list[int]:
     """The contexts still here after ``timeout`` seconds (or [] as soon as none is)."""
     contexts = current_agent().ext["autograd"].contexts
-    deadline = time.monotonic() + timeout
-    while contexts and time.monotonic() < deadline:
-        time.sleep(0.02)
+    poll_for(lambda: not contexts, timeout, interval=0.02)
     return _contexts_here()
 
 
@@ -433,7 +431,7 @@ def _w1_relay_and_hang(x: torch.Tensor) -> torch.Tensor:
     """On w1: calls w2, says so, then waits (it is killed meanwhile)."""
     y = rpc.rpc_sync("w2", _w2_forward, args=(x * 3,), timeout=RPC_TIMEOUT_S)
     _CTX["sync"]["relayed"].set()
-    time.sleep(WAIT_S)
+    time.sleep(WAIT_S)  # a hold: the test kills this process while it waits here
     return y
 
 
@@ -459,7 +457,7 @@ def _off_context(fn: Callable[[], Any]) -> Any:
 
 def _body_kill(rank: int, sync: dict) -> dict:
     if rank == 1:
-        _await_death(sync)
+        await_death(_CTX["results"], sync["victim_ready"], WAIT_S)
     if rank == 2:
         assert sync["done"].wait(WAIT_S + DEATH_DETECTED_S), "the trainer did not finish"
         return {"contexts_left": _contexts_here()}
@@ -560,18 +558,6 @@ def _kill_trainer(sync: dict) -> dict:
             "left_early_still_on_w2": early["ctx"] in left_on_w2, "ctx_c": early["ctx"],
             "backward_error": backward_error,
             "call_error": hung["error"]}
-
-
-def _await_death(sync: dict) -> None:
-    """The victim: flush its result queue (no lock held when it dies), say so, wait."""
-    q = _CTX["results"]
-    q.close()
-    q.join_thread()
-    sync["victim_ready"].set()
-    deadline = time.monotonic() + WAIT_S
-    while time.monotonic() < deadline:
-        time.sleep(0.05)
-    os._exit(3)  # not killed: the parent sees exit code 3, not -9
 
 
 # -- the spawned process -------------------------------------------------------------------

@@ -33,7 +33,7 @@ def zeros(n: int):
 
 
 def keep(rref, seconds: float) -> int:
-    time.sleep(seconds)
+    time.sleep(seconds)  # deliberate: holds the fork of ``rref`` for ``seconds``
     return 1
 
 

@@ -21,7 +21,7 @@ class Box:
 def use(rref: RRef, seconds: float) -> int:
     import time
 
-    time.sleep(seconds)
+    time.sleep(seconds)  # deliberate: holds the fork of ``rref`` for ``seconds``
     return rref.to_here().n
 
 

@@ -33,7 +33,7 @@ class Box:
 
 
 def hold(rref: RRef, seconds: float) -> int:
-    time.sleep(seconds)
+    time.sleep(seconds)  # deliberate: holds the fork of ``rref`` for ``seconds``
     return 1
 
 

@@ -75,7 +75,7 @@ def hold(rref: RRef) -> dict:
 
 
 def keep_for(rref: RRef, seconds: float) -> str:
-    time.sleep(seconds)
+    time.sleep(seconds)  # deliberate: holds the fork of ``rref`` for ``seconds``
     return tag_of(rref)
 
 
@@ -442,7 +442,7 @@ def test_forks_in_a_request_the_callee_cannot_unpickle_are_undone(group, to) -> 
 
 # -- to_here() of a value that is ready: answered on the owner's I/O thread -------------
 def slow_value(seconds: float, tag: str) -> Tracked:
-    time.sleep(seconds)
+    time.sleep(seconds)  # deliberate: the value is made this late
     return Tracked(tag)
 
 

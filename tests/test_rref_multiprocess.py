@@ -52,7 +52,8 @@ from typing import Any
 import pytest
 import torch
 from conftest import poll_or_fail
-from worlds import World, child, outcome, run_world, world_cache
+from targets import whoami
+from worlds import World, await_death, child, outcome, run_world, world_cache
 
 import nbrpc.debug
 from nbrpc import rpc
@@ -112,13 +113,9 @@ def _reset_counts() -> None:
 _KEPT: list = []  # RRefs a worker was asked to hold
 
 
-def _whoami() -> str:
-    return rpc.get_worker_info().name
-
-
 def _call_back(to: str) -> str:
     """Runs on one worker, calls ``to``: checks the callee -> caller direction."""
-    return rpc.rpc_sync(to, _whoami, timeout=10)
+    return rpc.rpc_sync(to, whoami, timeout=10)
 
 
 def _fetch_tag(rref: RRef) -> str:
@@ -372,7 +369,7 @@ def _fetch_in_thread(rref: RRef) -> dict:
 
 def _body_owner_dies(rank: int, sync: dict) -> dict:
     if rank == 2:
-        _await_death(sync)
+        await_death(_CTX["results"], sync["victim_ready"], WAIT_S)
     if rank == 1:
         return _owner_dies_rank1(sync)
     doomed = rpc.remote("worker2", Tracked, args=("doomed",))
@@ -407,7 +404,7 @@ def _body_owner_dies(rank: int, sync: dict) -> dict:
     assert max(to_here_s, proxy_s, waiting_s) < DEATH_DETECTED_S, (to_here_s, proxy_s, waiting_s)
     sync["killed"].set()
     # rank 0 <-> rank 1 keeps working, RRefs included
-    assert rpc.rpc_sync("worker1", _whoami, timeout=10) == "worker1"
+    assert rpc.rpc_sync("worker1", whoami, timeout=10) == "worker1"
     assert rpc.rpc_sync("worker1", _call_back, args=("master",), timeout=10) == "master"
     alive = rpc.remote("worker1", Tracked, args=("alive",))
     assert alive.to_here(timeout=10).tag == "alive" and alive.rpc_sync(timeout=10).get() == "alive"
@@ -443,7 +440,7 @@ def _owner_dies_rank1(sync: dict) -> dict:
         with pytest.raises(WorkerGoneError, match="'worker2' died"):
             _KEPT[0].rpc_sync(timeout=10).get()
         _KEPT.clear()
-        assert rpc.rpc_sync("master", _whoami, timeout=10) == "master"
+        assert rpc.rpc_sync("master", whoami, timeout=10) == "master"
         assert rpc.rpc_sync("master", _call_back, args=("worker1",), timeout=10) == "worker1"
         r = rpc.remote("master", Tracked, args=("from1",))
         assert r.rpc_sync(timeout=10).get() == "from1"
@@ -455,25 +452,13 @@ def _owner_dies_rank1(sync: dict) -> dict:
         sync["done"].set()
 
 
-def _await_death(sync: dict) -> None:
-    """The victim: flush its result queue (no lock held when it dies), say so, wait."""
-    q = _CTX["results"]
-    q.close()
-    q.join_thread()
-    sync["victim_ready"].set()
-    deadline = time.monotonic() + WAIT_S
-    while time.monotonic() < deadline:
-        time.sleep(0.05)
-    os._exit(3)  # not killed: the parent sees exit code 3, not -9
-
-
 # -- world "user_dies": rank 0 kills rank 1, which holds forks of rank 0's values -----------
 def _body_user_dies(rank: int, sync: dict) -> dict:
     if rank == 1:
-        _await_death(sync)
+        await_death(_CTX["results"], sync["victim_ready"], WAIT_S)
     if rank == 2:
         assert sync["done"].wait(WAIT_S), "rank 0 did not finish"
-        assert rpc.rpc_sync("master", _whoami, timeout=10) == "master"
+        assert rpc.rpc_sync("master", whoami, timeout=10) == "master"
         return {"users_left": len(_rrefs_here()["users"])}
     st = current_agent().ext["rref"].state
     own = RRef(Tracked("owner_to_user"))
@@ -498,7 +483,7 @@ def _body_user_dies(rank: int, sync: dict) -> dict:
     poll_or_fail(lambda: not st.owned, DEATH_DETECTED_S, lambda: f"an empty owner table: {_explain()}")
     empty_s = time.monotonic() - t_kill
     poll_or_fail(_nothing_alive(3), 2.0, lambda: f"nothing alive on master: {_explain()}")
-    assert rpc.rpc_sync("worker2", _whoami, timeout=10) == "worker2"
+    assert rpc.rpc_sync("worker2", whoami, timeout=10) == "worker2"
     assert [m["name"] for m in nbrpc.debug.snapshot(events=0)["members"]] == ["master", "worker2"]
     sync["done"].set()
     return {"empty_s": round(empty_s, 2), "counts": _counts()}

@@ -1,10 +1,10 @@
 """Multi-process tier: nbrpc in script mode, run exactly as PyTorch's RPC tutorials run.
 
-One ``torch.multiprocessing.spawn(_child, nprocs=3, join=True)`` starts the world;
-each process calls ``rpc.init_rpc(name, rank=rank, world_size=3)`` (env://, with
-MASTER_ADDR/MASTER_PORT from a free port the parent chose) and ``rpc.shutdown()``.
-A spawn costs 1-2 s (importing torch), so the whole file uses that one spawn, in
-phases run back to back inside the same three processes:
+One world of three processes (``worlds.run_world``: ``torch.multiprocessing.spawn``)
+starts it all; each process calls ``rpc.init_rpc(name, rank=rank, world_size=3)``
+(env://, with MASTER_ADDR/MASTER_PORT from a free port the parent chose) and
+``rpc.shutdown()``. A spawn costs 1-2 s (importing torch), so the whole file uses that
+one spawn, in phases run back to back inside the same three processes:
 
 ==========  =================================================================
 phase       what it sets up
@@ -22,17 +22,17 @@ final       rank 0 alone, no group: a file:// init_rpc that nobody joins
 ==========  =================================================================
 
 Each check is a plain function run (mostly by rank 0) between init_rpc and shutdown;
-its outcome (and traceback) is appended to a per-rank JSON-lines result file, and
-the parent turns each one into its own pytest test. Phase-level failures (init_rpc,
-shutdown) raise in the child, which makes ``spawn`` re-raise them. A watchdog
-(``faulthandler.dump_traceback_later(exit=True)``) bounds every phase of every child,
-and every RPC has a timeout (at most the 60 s default).
+its outcome (and traceback) is a row put on the parent's queue (see ``worlds.py``),
+and the parent turns each one into its own pytest test. Phase-level failures
+(init_rpc, shutdown) raise in the child, which reports a ``<crash>`` row and exits
+with a non-zero code. A watchdog (``faulthandler.dump_traceback_later(exit=True)``)
+bounds every phase of every child, every RPC has a timeout (at most the 60 s
+default), and the parent kills what is still alive after ``WORLD_TIMEOUT_S``.
 """
 
 from __future__ import annotations
 
 import faulthandler
-import json
 import os
 import tempfile
 import threading
@@ -40,15 +40,15 @@ import time
 import traceback
 from collections.abc import Callable
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 import zmq
-from conftest import free_ports, poll_or_fail
+from conftest import poll_or_fail
+from targets import echo, sleep_then, whoami
+from worlds import World, child, run_world
 
 import nbrpc.debug
 from nbrpc import rpc
@@ -76,21 +76,8 @@ PHASE_WATCHDOG_S = 45.0  # a child stuck this long in one phase dumps its thread
 
 
 # -- functions and classes run remotely (module level: every process imports them) --
-def _whoami() -> str:
-    return rpc.get_worker_info().name
-
-
 def _add(a, b=0, *, scale=1):
     return (a + b) * scale
-
-
-def _echo(x):
-    return x
-
-
-def _sleep_then(secs: float, value):
-    time.sleep(secs)
-    return value
 
 
 def _nested(hops: list) -> list:
@@ -155,7 +142,7 @@ def _kept(clear: bool = False) -> list:
 
 
 def _sleep_then_sum(t: torch.Tensor, secs: float) -> float:
-    time.sleep(secs)
+    time.sleep(secs)  # deliberate: the caller changes its own copy meanwhile
     return float(t.sum())
 
 
@@ -177,10 +164,6 @@ def _strided_of_large() -> torch.Tensor:
 
 def _inplace_add_(t: torch.Tensor) -> None:
     t.add_(1)
-
-
-def _counters() -> dict:
-    return nbrpc.debug.snapshot(events=1)["counters"]
 
 
 def _touch(path: str) -> None:  # what a forged message would run, were it ever unpickled
@@ -260,10 +243,9 @@ def _check(phase: str, on_workers: bool = False, after_shutdown: bool = False):
     return register
 
 
-def _local_counters() -> dict:
+def _counters() -> dict:
+    """This process's counters (run here, or remotely on a worker)."""
     return nbrpc.debug.snapshot(events=1)["counters"]
-
-
 
 
 # ---- main phase ----
@@ -277,7 +259,7 @@ def worker_info_and_default_timeout():
     assert rpc.get_rpc_timeout() == 60.0
     w1 = rpc.rpc_sync("worker1", rpc.get_worker_info, timeout=10)  # a WorkerInfo travels
     assert w1 == rpc.get_worker_info("worker1") and w1.name == "worker1"
-    assert rpc.rpc_sync(w1, _whoami, timeout=10) == "worker1"
+    assert rpc.rpc_sync(w1, whoami, timeout=10) == "worker1"
 
 
 @_check("main")
@@ -295,8 +277,8 @@ def python_functions_and_kwargs():
     assert rpc.rpc_sync("worker1", _add, args=(2, 3)) == 5
     assert rpc.rpc_sync("worker1", _add, args=(2,), kwargs={"b": 3, "scale": 4}) == 20
     assert rpc.rpc_sync("worker2", _add, kwargs={"a": 1, "b": 1}) == 2
-    assert rpc.rpc_sync("worker1", _whoami) == "worker1"
-    assert rpc.rpc_async("worker2", _whoami).wait() == "worker2"
+    assert rpc.rpc_sync("worker1", whoami) == "worker1"
+    assert rpc.rpc_async("worker2", whoami).wait() == "worker2"
     k = 7
     assert rpc.rpc_sync("worker1", lambda v: v * k, args=(3,)) == 21  # cloudpickle by value
 
@@ -304,12 +286,12 @@ def python_functions_and_kwargs():
 @_check("main")
 def destination_as_workerinfo_and_rank():
     w2 = rpc.get_worker_info("worker2")
-    assert rpc.rpc_sync(w2, _whoami) == "worker2"
-    assert rpc.rpc_sync(2, _whoami) == "worker2"
-    assert rpc.rpc_sync(1, _whoami) == "worker1"
-    assert rpc.rpc_sync(0, _whoami) == "master"
-    assert rpc.rpc_async(rpc.get_worker_info("worker1"), _whoami).wait() == "worker1"
-    assert rpc.remote(w2, _whoami).to_here(timeout=10) == "worker2"
+    assert rpc.rpc_sync(w2, whoami) == "worker2"
+    assert rpc.rpc_sync(2, whoami) == "worker2"
+    assert rpc.rpc_sync(1, whoami) == "worker1"
+    assert rpc.rpc_sync(0, whoami) == "master"
+    assert rpc.rpc_async(rpc.get_worker_info("worker1"), whoami).wait() == "worker1"
+    assert rpc.remote(w2, whoami).to_here(timeout=10) == "worker2"
 
 
 @_check("main")
@@ -395,7 +377,7 @@ def remote_exceptions_keep_type_message_and_worker():
 @_check("main")
 def unpicklable_values_and_base_exceptions_fail_cleanly():
     with pytest.raises(SerializationError):  # an argument: raised at the call
-        rpc.rpc_async("worker1", _echo, args=(threading.Lock(),))
+        rpc.rpc_async("worker1", echo, args=(threading.Lock(),))
     with pytest.raises(SerializationError, match="lock"):  # a result: raised by the caller
         rpc.rpc_sync("worker1", _return_lock, timeout=10)
     with pytest.raises(RemoteError) as ei:  # not an Exception: reported, worker survives
@@ -409,13 +391,13 @@ def unpicklable_values_and_base_exceptions_fail_cleanly():
 def timeout_raises_fast_and_agent_stays_usable():
     t0 = time.monotonic()
     with pytest.raises(RpcTimeoutError) as ei:
-        rpc.rpc_sync("worker1", _sleep_then, args=(2.0, "late-sync"), timeout=0.5)
+        rpc.rpc_sync("worker1", sleep_then, args=(2.0, "late-sync"), timeout=0.5)
     elapsed = time.monotonic() - t0
     assert 0.4 <= elapsed < 1.5, elapsed
     assert isinstance(ei.value, TimeoutError) and isinstance(ei.value, RuntimeError)
     assert "worker1" in str(ei.value)
     t1 = time.monotonic()
-    fut = rpc.rpc_async("worker1", _sleep_then, args=(2.0, "late-async"), timeout=0.5)
+    fut = rpc.rpc_async("worker1", sleep_then, args=(2.0, "late-async"), timeout=0.5)
     with pytest.raises(RpcTimeoutError):
         fut.wait()
     assert time.monotonic() - t1 < 1.5
@@ -425,24 +407,24 @@ def timeout_raises_fast_and_agent_stays_usable():
     assert rpc.rpc_sync("worker2", _add, args=(1, 2), timeout=5) == 3
     assert time.monotonic() - t2 < 1.0
     # timeout=0: no timeout at all
-    assert rpc.rpc_sync("worker2", _sleep_then, args=(0.6, "ok"), timeout=0) == "ok"
-    _CTX["late_replies_expected"] = _local_counters()["late_replies"] + 2
+    assert rpc.rpc_sync("worker2", sleep_then, args=(0.6, "ok"), timeout=0) == "ok"
+    _CTX["late_replies_expected"] = _counters()["late_replies"] + 2
     return {"timeout_elapsed_s": round(elapsed, 3)}
 
 
 @_check("main")
 def unknown_worker_name_lists_known_names():
     with pytest.raises(UnknownWorkerError) as ei:
-        rpc.rpc_sync("nobody", _whoami)
+        rpc.rpc_sync("nobody", whoami)
     msg = str(ei.value)
     assert "nobody" in msg
     for name in NAMES:
         assert name in msg, msg
     assert isinstance(ei.value, RuntimeError)
     with pytest.raises(UnknownWorkerError):
-        rpc.rpc_async("nobody", _whoami)
+        rpc.rpc_async("nobody", whoami)
     with pytest.raises(UnknownWorkerError):
-        rpc.rpc_sync(7, _whoami)
+        rpc.rpc_sync(7, whoami)
     with pytest.raises(UnknownWorkerError):
         rpc.remote("nobody", _Counter)
     with pytest.raises(RuntimeError):
@@ -458,9 +440,9 @@ def strided_view_sends_only_its_own_elements():
     v = x[:, ::2]
     assert not v.is_contiguous()
     own = v.numel() * v.element_size()  # 64 KiB
-    sent0 = _local_counters()["bytes_sent"]
+    sent0 = _counters()["bytes_sent"]
     info = rpc.rpc_sync("worker1", _receive_info, args=(v,), timeout=20)
-    sent = _local_counters()["bytes_sent"] - sent0
+    sent = _counters()["bytes_sent"] - sent0
     assert torch.equal(info["value"], v)
     # it arrives with its strides (as in PyTorch), in storage just large enough for them
     span = (1 + sum((n - 1) * st for n, st in zip(v.shape, v.stride()))) * v.element_size()
@@ -470,7 +452,7 @@ def strided_view_sends_only_its_own_elements():
           if e["event"] == "send" and e["peer"] == "worker1"][-1]
     assert own <= ev["nbytes"] < own + 4096, ev
     # a transposed view and a single column also round-trip by value
-    assert torch.equal(rpc.rpc_sync("worker2", _echo, args=(x.t(),)), x.t())
+    assert torch.equal(rpc.rpc_sync("worker2", echo, args=(x.t(),)), x.t())
     col = x[:, 3]
     got = rpc.rpc_sync("worker2", _receive_info, args=(col,))
     assert torch.equal(got["value"], col) and got["storage_nbytes"] == col.numel() * 4
@@ -496,9 +478,9 @@ def slice_of_large_tensor_sends_only_the_slice():
     s = big[1_000_000:1_000_100]
     assert s.is_contiguous() and s.untyped_storage().nbytes() == big.nbytes
     own = s.numel() * s.element_size()
-    sent0 = _local_counters()["bytes_sent"]
+    sent0 = _counters()["bytes_sent"]
     info = rpc.rpc_sync("worker2", _receive_info, args=(s,), timeout=20)
-    sent = _local_counters()["bytes_sent"] - sent0
+    sent = _counters()["bytes_sent"] - sent0
     assert torch.equal(info["value"], s)
     assert info["storage_nbytes"] == own
     assert sent < own + 4096, (sent, own, big.nbytes)
@@ -519,12 +501,12 @@ def tensor_dtypes_and_shapes_round_trip():
         torch.ones(1).expand(1000),  # stride 0
         torch.arange(24).reshape(2, 3, 4).permute(2, 0, 1),
     ]
-    back = rpc.rpc_sync("worker1", _echo, args=(cases,), timeout=20)
+    back = rpc.rpc_sync("worker1", echo, args=(cases,), timeout=20)
     for a, b in zip(cases, back):
         assert a.dtype == b.dtype and a.shape == b.shape, (a, b)
         assert torch.equal(a, b), (a, b)
     p = torch.nn.Parameter(torch.randn(3))
-    q = rpc.rpc_sync("worker2", _echo, args=(p,))
+    q = rpc.rpc_sync("worker2", echo, args=(p,))
     assert isinstance(q, torch.nn.Parameter) and q.requires_grad and torch.equal(p, q)
 
 
@@ -540,7 +522,7 @@ def arguments_are_copies_even_for_self_calls():
 def echo_16mb_tensor():
     t = torch.randn(4 * 1024 * 1024)  # 16 MiB of float32
     t0 = time.monotonic()
-    back = rpc.rpc_sync("worker2", _echo, args=(t,), timeout=30)
+    back = rpc.rpc_sync("worker2", echo, args=(t,), timeout=30)
     secs = time.monotonic() - t0
     assert back.shape == t.shape and torch.equal(back, t)
     shm = Path("/dev/shm")
@@ -561,7 +543,7 @@ def large_buffers_are_not_reused_while_the_receiver_holds_them():
     for a, b in zip(sent, kept):
         assert torch.equal(a, b), (float(a[0]), b.unique()[:5])
     # and concurrently, in both directions
-    futs = [rpc.rpc_async(NAMES[1 + i % 2], _echo, args=(torch.full((n,), float(i)),),
+    futs = [rpc.rpc_async(NAMES[1 + i % 2], echo, args=(torch.full((n,), float(i)),),
                           timeout=20) for i in range(12)]
     for i, back in enumerate(torch.futures.wait_all(futs)):
         assert torch.equal(back, torch.full((n,), float(i))), i
@@ -667,7 +649,7 @@ def tampered_messages_are_dropped():
         sock.close()
     finally:
         ctx.term()
-    time.sleep(0.1)
+    time.sleep(0.1)  # a negative check: a message wrongly run would have written it by now
     assert not marker.exists(), "a tampered message was executed"
     assert rpc.rpc_sync("worker1", _add, args=(2, 2), timeout=10) == 4
     assert rpc.rpc_sync("worker1", _counters, timeout=10)["dropped"] == got["dropped"]
@@ -688,7 +670,7 @@ def snapshot_events_zero_returns_no_events():
 def init_rpc_twice_is_refused():
     with pytest.raises(AlreadyInitializedError):
         rpc.init_rpc("master", rank=0, world_size=WORLD)
-    assert rpc.rpc_sync("worker1", _whoami, timeout=10) == "worker1"  # still the same agent
+    assert rpc.rpc_sync("worker1", whoami, timeout=10) == "worker1"  # still the same agent
 
 
 @_check("main")
@@ -696,7 +678,7 @@ def late_replies_are_discarded():
     # runs last: the two timed-out calls above sleep 2 s; their replies come late
     want = _CTX.get("late_replies_expected")
     assert want is not None, "the timeout check did not run"
-    c = poll_or_fail(lambda: (c := _local_counters())["late_replies"] >= want and c, 5.0,
+    c = poll_or_fail(lambda: (c := _counters())["late_replies"] >= want and c, 5.0,
               "the late replies of the timed-out calls")
     assert c["late_replies"] == want, c
     assert c["in_flight"] == 0, c
@@ -712,7 +694,7 @@ def reinit_binds_the_same_port_again():
     assert [m["name"] for m in snap["members"]] == NAMES
     assert snap["counters"]["requests_sent"] == 0  # a fresh agent
     for name in NAMES:
-        assert rpc.rpc_sync(name, _whoami, timeout=10) == name
+        assert rpc.rpc_sync(name, whoami, timeout=10) == name
 
 
 @_check("reinit")
@@ -740,7 +722,7 @@ def tcp_init_method():
     assert snap["address"].endswith(f":{_CTX['port2']}"), snap["address"]
     assert [m["name"] for m in snap["members"]] == NAMES
     for name in NAMES:
-        assert rpc.rpc_sync(name, _whoami, timeout=10) == name
+        assert rpc.rpc_sync(name, whoami, timeout=10) == name
     assert rpc.rpc_sync("worker1", _nested, args=(["worker2"],), timeout=10) == [
         "worker1", "worker2"]
 
@@ -751,13 +733,13 @@ def calls_keep_working_while_master_shuts_down():
     # must let these calls (to it and between the workers) complete.
     me = rpc.get_worker_info().name
     other = "worker2" if me == "worker1" else "worker1"
-    time.sleep(0.2)  # rank 0 is inside shutdown() by now
+    assert _CTX["master_shutting_down"].wait(20), "rank 0 never called shutdown()"
     for i in range(20):
         assert rpc.rpc_sync("master", _add, args=(i, 1), timeout=10) == i + 1
-        assert rpc.rpc_sync(other, _whoami, timeout=10) == other
+        assert rpc.rpc_sync(other, whoami, timeout=10) == other
         rref = rpc.remote("master", _Counter, args=(i,))
         assert rref.rpc_sync(timeout=10).add(1) == i + 1
-        time.sleep(0.01)
+        time.sleep(0.01)  # deliberate: spreads the calls over rank 0's shutdown
 
 
 @_check("file")
@@ -767,7 +749,7 @@ def file_init_method():
     # re-init with the same path can never read this group's address
     assert not record.exists()
     for name in NAMES:
-        assert rpc.rpc_sync(name, _whoami, timeout=10) == name
+        assert rpc.rpc_sync(name, whoami, timeout=10) == name
     assert rpc.rpc_sync("worker2", _nested, args=(["worker1"],), timeout=10) == [
         "worker2", "worker1"]
 
@@ -775,7 +757,7 @@ def file_init_method():
 @_check("main", after_shutdown=True)
 def calls_after_shutdown_raise_not_initialized():
     with pytest.raises(NotInitializedError):
-        rpc.rpc_sync("worker1", _whoami)
+        rpc.rpc_sync("worker1", whoami)
     with pytest.raises(RuntimeError):
         rpc.get_worker_info()
     rpc.shutdown()  # a second shutdown is a no-op in nbrpc
@@ -793,7 +775,7 @@ def reinit_with_the_same_file_path():
     # ranks 1 and 2, already through shutdown, call init_rpc again with the same file
     # and must not join the dead address still written in it.
     for name in NAMES:
-        assert rpc.rpc_sync(name, _whoami, timeout=10) == name
+        assert rpc.rpc_sync(name, whoami, timeout=10) == name
 
 
 def _final(fn):
@@ -822,7 +804,7 @@ def _slow_unlink(path: str, delay: float):
 
     def slow(p, *args, **kwargs):
         if str(p) == path:
-            time.sleep(delay)
+            time.sleep(delay)  # deliberate: the slow machine this stands for
         return real(p, *args, **kwargs)
 
     os.unlink = slow
@@ -850,27 +832,16 @@ def _phase_options(phase: str) -> Any:
 
 
 # -- the spawned process -------------------------------------------------------------------
-def _child(rank: int, port: int, port2: int, file_path: str, result_dir: str) -> None:
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
-    _CTX.update(port=port, port2=port2, file_path=file_path)
-    out = Path(result_dir) / f"rank{rank}.jsonl"
+def _child(rank: int, world: str, port: int, results: Any, shared: dict) -> None:
+    with child(rank, world, port, results) as report:
+        file_path = shared["file_path"]
+        _CTX.update(port=port, port2=shared["port2"], file_path=file_path,
+                    master_shutting_down=shared["master_shutting_down"])
 
-    def write(**row: Any) -> None:
-        with out.open("a") as f:
-            f.write(json.dumps(row, default=repr) + "\n")
+        def run(phase: str, checks: dict) -> None:
+            for name, fn in checks.items():
+                report.attempt(phase, name, fn)
 
-    def run(phase: str, checks: dict) -> None:
-        for name, fn in checks.items():
-            t1 = time.monotonic()
-            try:
-                info = fn()
-                write(phase=phase, name=name, ok=True, secs=time.monotonic() - t1, info=info)
-            except BaseException:
-                write(phase=phase, name=name, ok=False, secs=time.monotonic() - t1,
-                      error=traceback.format_exc())
-
-    try:
         for phase in PHASES:
             faulthandler.dump_traceback_later(PHASE_WATCHDOG_S, exit=True)
             checks = CHECKS[phase] if rank == 0 else {
@@ -883,98 +854,74 @@ def _child(rank: int, port: int, port2: int, file_path: str, result_dir: str) ->
                 if phase not in SOFT_INIT_PHASES:
                     raise
                 error = f"init_rpc failed on rank {rank}:\n{traceback.format_exc()}"
-                write(phase=phase, name="<init failed>", ok=False, error=error)
+                report.write(phase, "<init failed>", ok=False, error=error)
                 for name in checks:
-                    write(phase=phase, name=name, ok=False, error=error)
+                    report.write(phase, name, ok=False, error=error)
                 continue
-            write(phase=phase, name="<init>", ok=True, secs=time.monotonic() - t0,
-                  pid=os.getpid())
+            report.write(phase, "<init>", secs=time.monotonic() - t0, pid=os.getpid())
             run(phase, checks)
             t2 = time.monotonic()
             if phase == "file" and rank == 0:
                 with _slow_unlink(file_path + ".nbrpc", 1.0):
                     rpc.shutdown()
+            elif phase == "tcp" and rank == 0:
+                _CTX["master_shutting_down"].set()  # (the workers' calls start now)
+                rpc.shutdown()
             else:
                 rpc.shutdown()
-            write(phase=phase, name="<shutdown>", ok=True, secs=time.monotonic() - t2)
+            report.write(phase, "<shutdown>", secs=time.monotonic() - t2)
             if rank == 0:
                 run(phase, AFTER_SHUTDOWN[phase])
         if rank == 0:
             faulthandler.dump_traceback_later(PHASE_WATCHDOG_S, exit=True)
             run("final", FINAL)
-    except BaseException:
-        write(phase="?", name="<crash>", ok=False, error=traceback.format_exc())
-        raise
-    finally:
-        faulthandler.cancel_dump_traceback_later()
 
 
 # -- the parent side -----------------------------------------------------------------------
-@dataclass
-class World:
-    results: dict
-    rows: list
-    error: BaseException | None
-    secs: float
-    file_path: Path
+# every phase and the final checks within their watchdogs, and the spawn
+WORLD_TIMEOUT_S = (len(PHASES) + 1) * PHASE_WATCHDOG_S + 30.0
 
 
 @pytest.fixture(scope="module")
 def world(tmp_path_factory) -> World:
-    d = tmp_path_factory.mktemp("script_mode")
-    port, port2 = free_ports(2)
-    file_path = d / "rendezvous"
-    t0 = time.monotonic()
-    error = None
-    try:
-        mp.spawn(_child, args=(port, port2, str(file_path), str(d)), nprocs=WORLD, join=True)
-    except Exception as e:  # ProcessRaisedException / ProcessExitedException
-        error = e
-    secs = time.monotonic() - t0
-    rows = []
-    for rank in range(WORLD):
-        p = d / f"rank{rank}.jsonl"
-        if p.exists():
-            rows += [dict(json.loads(line), rank=rank) for line in p.read_text().splitlines()]
-    results = {(r["phase"], r["name"]): r for r in rows if not r["name"].startswith("<")}
-    return World(results, rows, error, secs, file_path)
+    """The one world, spawned by the first test that asks for it."""
+    file_path = str(tmp_path_factory.mktemp("script_mode") / "rendezvous")
+    return run_world("script", _child, WORLD, WORLD_TIMEOUT_S,
+                     lambda ctx, port2: {"port2": port2, "file_path": file_path,
+                                         "master_shutting_down": ctx.Event()}, ports=2)
 
 
-# nbrpc bugs found by this file (see the reasons)
 # Checks expected to fail because of a known nbrpc bug: name -> reason (strict xfail).
 KNOWN_BUGS: dict[str, str] = {}
 
 
 def _params():
+    """(phase, check, the rank that runs it): rank 0's checks, then the workers'."""
     for phase in PHASES:
-        names = list(CHECKS[phase]) + list(AFTER_SHUTDOWN[phase]) + [
-            f"{name}@rank{r}" for name in WORKER_CHECKS[phase] for r in range(1, WORLD)]
-        for name in names:
+        names = [(name, 0) for name in [*CHECKS[phase], *AFTER_SHUTDOWN[phase]]] + [
+            (f"{name}@rank{r}", r) for name in WORKER_CHECKS[phase] for r in range(1, WORLD)]
+        for name, rank in names:
             marks = ()
             if name in KNOWN_BUGS:
                 marks = pytest.mark.xfail(strict=True, reason=KNOWN_BUGS[name])
-            yield pytest.param(phase, name, id=f"{phase}-{name}", marks=marks)
+            yield pytest.param(phase, name, rank, id=f"{phase}-{name}", marks=marks)
     for name in FINAL:
         marks = pytest.mark.xfail(strict=True, reason=KNOWN_BUGS[name]) if name in KNOWN_BUGS else ()
-        yield pytest.param("final", name, id=f"final-{name}", marks=marks)
+        yield pytest.param("final", name, 0, id=f"final-{name}", marks=marks)
 
 
-@pytest.mark.parametrize("phase,name", list(_params()))
-def test_check(world: World, phase: str, name: str) -> None:
-    row = world.results.get((phase, name))
-    if row is None:
-        pytest.fail(f"check {phase}/{name} did not run; the world ended with: {world.error!r}")
-    if not row["ok"]:
-        pytest.fail(f"check {phase}/{name} failed:\n{row['error']}", pytrace=False)
+@pytest.mark.parametrize("phase,name,rank", list(_params()))
+def test_check(world: World, phase: str, name: str, rank: int) -> None:
+    world.ok(phase, name, rank)
 
 
 def test_every_process_exits_cleanly(world: World) -> None:
-    assert world.error is None, f"spawn raised:\n{world.error}"
+    crashes = [r["error"] for r in world.rows if r["name"] == "<crash>"]
+    assert world.exitcodes == [0] * WORLD, (world.exitcodes, crashes)
     for phase in set(PHASES) - set(SOFT_INIT_PHASES):
         for rank in range(WORLD):
             for what in ("<init>", "<shutdown>"):
-                assert any(r["rank"] == rank and r["phase"] == phase and r["name"] == what
-                           for r in world.rows), (rank, phase, what)
+                world.ok(phase, what, rank)
 
 
 def test_no_shared_memory_segment_left_behind(world: World) -> None:
@@ -986,4 +933,3 @@ def test_no_shared_memory_segment_left_behind(world: World) -> None:
     left = [p.name for p in shm_dir.iterdir()
             if any(p.name.startswith(f"nbrpc-{pid}-") for pid in pids)]
     assert not left, left
-

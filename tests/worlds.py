@@ -5,7 +5,10 @@ A test module describes its worlds (which phases each rank runs) and writes a
 ``_child(rank, world, port, results, sync)`` that runs them inside
 :func:`child`; its module fixture returns ``world_cache(lambda name:
 run_world(name, _child, ...))``, so that each world is spawned by the first
-test that asks for it, and the tests read the rows through :class:`World`.
+test that asks for it (a module with a single world may return
+``run_world(...)`` itself), and the tests read the rows through :class:`World`.
+``sync`` is whatever the children share: barriers and events made from the
+spawn context, and anything else a world needs (more free ports, a path).
 
 Rows are dicts with ``world``, ``phase``, ``name``, ``rank``, ``ok`` and
 whatever else the step reports (``secs``, ``info``, ``error``, ``pid``); a
@@ -70,14 +73,16 @@ def world_cache(run: Callable[[str], World]) -> Callable[[str], World]:
 
 
 def run_world(name: str, child: Callable, nprocs: int, timeout: float,
-              sync: Callable[[Any], dict]) -> World:
-    """Spawn ``child(rank, name, port, results, sync(ctx))`` in ``nprocs``
+              sync: Callable[..., dict], ports: int = 1) -> World:
+    """Spawn ``child(rank, name, port, results, sync(ctx, *more))`` in ``nprocs``
     processes (``ctx``: the spawn context, for its barriers and events) and
-    collect their rows (see :func:`spawn_world`)."""
+    collect their rows (see :func:`spawn_world`). ``ports`` distinct free ports
+    are found: ``port`` (the group's MASTER_PORT) and ``more``, the rest."""
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    (port,) = free_ports(1)
-    return spawn_world(name, child, (name, port, results, sync(ctx)), nprocs, results, timeout)
+    port, *more = free_ports(ports)
+    return spawn_world(name, child, (name, port, results, sync(ctx, *more)), nprocs, results,
+                       timeout)
 
 
 def spawn_world(name: str, child: Callable, args: tuple, nprocs: int, results: Any,
@@ -135,6 +140,17 @@ def outcome(fn: Callable[[], Any]) -> tuple[Any, str | None, float]:
         return fn(), None, time.monotonic() - t0
     except BaseException:
         return None, traceback.format_exc(), time.monotonic() - t0
+
+
+def await_death(results: Any, ready: Any, timeout: float, code: int = 3) -> None:
+    """A victim's last steps: flush its rows (so that it holds no queue lock when it
+    is killed), set the event ``ready``, and wait to be killed; if nobody has killed
+    it after ``timeout`` s, exit with ``code`` (the parent sees that, not -9)."""
+    results.close()
+    results.join_thread()
+    ready.set()
+    time.sleep(timeout)  # a hold, not a wait for an event: the killer's SIGKILL ends it
+    os._exit(code)
 
 
 @contextmanager
