@@ -69,18 +69,19 @@ STAGES = [
 
 def _instrument(stamps: dict[int, dict[str, float]]) -> None:
     """Wrap the seams of the call path; stamps[msg_id][point] = perf_counter()."""
+    from nbrpc.agent.agent import Agent
     from nbrpc.agent.callee import Callee
     from nbrpc.agent.caller import Caller
     from nbrpc.agent.messages import REQUEST, RESPONSE
     from nbrpc.transport.io import IOLoop
 
     clock = time.perf_counter
-    send, on_message, serve, complete = (IOLoop.send, Callee._on_message, Callee._serve,
-                                         Caller._complete)
+    send, on_message, serve, complete = (IOLoop.send, Agent._on_message, Callee.serve,
+                                         Caller.complete)
 
-    def timed_send(self, peer, kind, msg_id, payload, buffers=(), via=None):
+    def timed_send(self, peer, kind, msg_id, payload, buffers=(), via=None, **more):
         t0 = clock()
-        n = send(self, peer, kind, msg_id, payload, buffers, via)
+        n = send(self, peer, kind, msg_id, payload, buffers, via, **more)
         if kind in (REQUEST, RESPONSE):
             stamps.setdefault(msg_id, {}).update({f"send0.{kind}": t0, f"send1.{kind}": clock()})
         return n
@@ -98,8 +99,8 @@ def _instrument(stamps: dict[int, dict[str, float]]) -> None:
         complete(self, env)
         stamps.setdefault(env.msg_id, {})["done"] = clock()
 
-    IOLoop.send, Callee._on_message = timed_send, timed_on_message
-    Callee._serve, Caller._complete = timed_serve, timed_complete
+    IOLoop.send, Agent._on_message = timed_send, timed_on_message
+    Callee.serve, Caller.complete = timed_serve, timed_complete
 
 
 def _worker(rank: int, port: int, outdir: str, calls: int, ipc: bool) -> None:

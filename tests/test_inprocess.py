@@ -496,7 +496,7 @@ def test_failed_send_leaves_no_pending_call_and_shm_failure_falls_back(trio, mon
     sent = a.sent
     with pytest.raises(OSError):
         a.rpc_async("b", add, (1, 1))
-    assert a.sent == sent and not a._pending  # graceful shutdown will not wait for it
+    assert a.sent == sent and not a.caller.pending  # graceful shutdown will not wait for it
 
 
 def test_a_signed_but_broken_message_does_not_stop_the_agent(trio) -> None:
@@ -671,19 +671,20 @@ def test_a_call_that_arrives_before_the_member_table_waits_for_it() -> None:
     heard yet. Its request is held until the member table arrives, then served
     (it may name other members: here it calls rank 0 back)."""
     from nbrpc.agent import Agent, AgentOptions
+    from nbrpc.agent.messages import CONTROL
     from nbrpc.transport import new_key
 
     key = new_key()
     agents = [Agent(n, r, key, world_size=3, options=AgentOptions(num_worker_threads=2))
               for r, n in enumerate(["w0", "w1", "w2"])]
     w0, w1, w2 = agents
-    first_control = w2._on_control
+    first_control = w2.routes[CONTROL]
 
     def late_members(env) -> None:  # the coordinator's first message to w2 is the table
-        w2._on_control = first_control
+        w2.routes[CONTROL] = first_control
         w2.io.call_later(0.5, first_control, env)
 
-    w2._on_control = late_members
+    w2.routes[CONTROL] = late_members
     starters = [threading.Thread(target=a.start, args=(None if a.rank == 0 else w0.address, 10))
                 for a in agents]
     for t in starters:

@@ -42,7 +42,7 @@ def test_a_request_larger_than_the_callee_accepts_fails_on_the_caller(group) -> 
         assert "TensorPipeRpcBackendOptions(max_message_size=...)" in str(e.value)
     assert b.io.dropped.get("too large", 0) == 0  # nothing was sent to be dropped
     assert a.rpc_sync("b", echo, (torch.ones(3),)).tolist() == [1.0, 1.0, 1.0]  # still healthy
-    assert a._sent[1] == b._served[0]  # no request left unanswered: shutdown has none to wait for
+    assert a.caller.sent_to[1] == b.callee.served_to[0]  # no request left unanswered: shutdown has none to wait for
 
 
 def test_an_answer_larger_than_the_caller_accepts_fails_the_call_with_why(group) -> None:

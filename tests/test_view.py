@@ -14,7 +14,7 @@ from conftest import local_group, poll_for
 import nbrpc
 from nbrpc import views
 from nbrpc.agent import Agent
-from nbrpc.agent.current import _local
+from nbrpc.agent.agent import _local
 from nbrpc.jupyter import view as view_module
 from nbrpc.jupyter.view import (
     GONE,

@@ -1,7 +1,8 @@
 """The agent: one per RPC participant, owning all of that participant's state.
 
 Several agents can live in one process (the in-process test tier does that);
-nothing here is a module global except the thread-local "current agent".
+nothing here is a module global except the thread-local "current agent" and
+the process default (:func:`current_agent`).
 
 Threads of one agent::
 
@@ -21,13 +22,17 @@ releases the forks it held), and the shared-memory segments it left are
 swept. Every ``heartbeat_interval`` members and the coordinator exchange
 heartbeats; a member declared dead that is heard from again is taken back.
 
-The class is put together from one mixin per seam, each in its own module:
-:mod:`.caller` (send a request, match its answer), :mod:`.callee` (serve a
-request, answer it), :mod:`.liveness` (control messages, heartbeats, failure
-detection) and :mod:`.drain` (leaving the group). What travels with a message
-is in :mod:`.wire`, the member table in :mod:`.members`, the coordinator's
-pure state in :mod:`.group`; this module keeps the agent's state, its start
-and the member table's side effects.
+The agent is put together from one part per seam, each an object with its
+own state, in a module of its name: :class:`~.caller.Caller` (send a
+request, match its answer: ``agent.caller``), :class:`~.callee.Callee`
+(serve a request, answer it: ``agent.callee``), :class:`~.control.Control`
+(control messages, heartbeats, failure detection: ``agent.control``) and
+:class:`~.shutdown.Shutdown` (leaving the group: ``agent.leaving``). The
+agent owns the dispatch of incoming messages (``agent.routes``: message kind
+-> the part's handler), its start and stop, and the member table's side
+effects; its public calls that a part implements are thin delegations. What
+travels with a message is in :mod:`.wire`, the member table in
+:mod:`.members`, the coordinator's pure state in :mod:`.group`.
 
 A REQUEST payload names its handler by ``op``. ``call`` is built in; upper
 layers install more through :func:`register_extension` (the RRef layer adds
@@ -36,32 +41,29 @@ layers install more through :func:`register_extension` (the RRef layer adds
 
 from __future__ import annotations
 
-import itertools
 import logging
 import secrets
 import threading
 import time
-from collections import Counter, OrderedDict
 from collections.abc import Callable
-from concurrent.futures import Future
 from typing import Any
 
-from ..errors import DeviceMapError, RendezvousError, WorkerGoneError
+from ..errors import DeviceMapError, NotInitializedError, RendezvousError
 from ..serialize import CodeCache, parallel_copy
 from ..transport import Envelope, IOLoop, shm
 from . import devices, gcfreeze
 from .callee import Callee
 from .caller import Caller
-from .current import _Default, _local, current_agent, set_default_agent  # noqa: F401
-from .drain import Shutdown
+from .control import Control
 from .events import EventLog
 from .faults import FaultPlan
-from .group import Coordinator, WorkerInfo, check_worker_name
-from .liveness import Control
+from .futures import RpcFuture
+from .group import WorkerInfo, check_worker_name
 from .members import MemberTable
-from .messages import Join, Member
+from .messages import CONTROL, INLINE, REQUEST, RESPONSE, Join, Member
 from .options import AgentOptions, _check_options
 from .pool import WorkerPool
+from .shutdown import Shutdown
 from .wire import (  # noqa: F401 (the names upper layers import from here)
     INTERNAL,
     Deferred,
@@ -77,6 +79,25 @@ log = logging.getLogger(__name__)
 
 _EXTENSIONS: list[Callable[[Agent], None]] = []
 
+_local = threading.local()  # .agent: the agent of an agent's own threads
+
+
+class _Default:
+    agent: Agent | None = None  # the process default, set by nbrpc.rpc.init_rpc
+
+
+def current_agent(what: str = "this call") -> Agent:
+    """The agent of this thread: an agent's own threads use their agent, any
+    other thread the process default set by ``init_rpc``."""
+    agent = getattr(_local, "agent", None) or _Default.agent
+    if agent is None:
+        raise NotInitializedError(what)
+    return agent
+
+
+def set_default_agent(agent: Agent | None) -> None:
+    _Default.agent = agent
+
 
 def register_extension(install: Callable[[Agent], None]) -> None:
     """Run ``install(agent)`` for every agent created from now on.
@@ -87,8 +108,16 @@ def register_extension(install: Callable[[Agent], None]) -> None:
     _EXTENSIONS.append(install)
 
 
-class Agent(Caller, Callee, Control, Shutdown):
+class Agent:
     """One RPC participant. Create, :meth:`start`, call, :meth:`shutdown`.
+
+    The agent holds what its parts share (the I/O loop ``io``, the worker
+    ``pool``, the member table ``members``, ``events``, ``codes``,
+    ``handlers``, ``ext``, the upper layers' hooks, ``state``, ``options``)
+    and its parts: ``caller`` (:class:`~.caller.Caller`), ``callee``
+    (:class:`~.callee.Callee`), ``control`` (:class:`~.control.Control`) and
+    ``leaving`` (:class:`~.shutdown.Shutdown`), each the owner of its own
+    state. ``routes`` is its dispatch of incoming messages by kind.
 
     >>> from nbrpc.transport import new_key
     >>> a = Agent("solo", 0, new_key(), world_size=1)
@@ -120,12 +149,11 @@ class Agent(Caller, Callee, Control, Shutdown):
                          max_age=opts.max_message_age, encrypt=opts.encrypt,
                          ipc=opts.local_ipc)
         self.address = self.io.bind(opts.host, opts.port)
-        self.io.on_unread = self._unreadable
         if self.io.channels is not None:  # (threads that serve a caller's own channel)
             self.io.channels.on_thread_start = self._adopt_thread
             self.io.channels.limit = opts.num_worker_threads
-        self._member = Member(name, rank, self.address, self.io.local_address, opts.devices,
-                              opts.max_message_size, self.io.incarnation)
+        self.me = Member(name, rank, self.address, self.io.local_address, opts.devices,
+                         opts.max_message_size, self.io.incarnation)  # this agent's record
         if rank == 0:  # the coordinator draws the run every message of the group is signed for
             self.io.run = secrets.randbits(63) or 1
         self.device_plan = devices.DevicePlan()  # set once the members are known
@@ -133,7 +161,7 @@ class Agent(Caller, Callee, Control, Shutdown):
                                self._adopt_thread, self.io.call_later)
         self.events = EventLog(opts.event_log_size)
         self.codes = CodeCache()  # notebook code by value, once
-        self.handlers: dict[str, Callable[[Any, int], Any]] = {"call": self._handle_call}
+        self.handlers: dict[str, Callable[[Any, int], Any]] = {}
         self.ext: dict[str, Any] = {}
         self.snapshot_sections: dict[str, Callable[[], Any]] = {}
         # hooks of upper layers: a member died or left (run on the I/O thread);
@@ -145,30 +173,25 @@ class Agent(Caller, Callee, Control, Shutdown):
         self.faults = FaultPlan()
         self.propagator: Propagator | None = None  # set by the autograd layer
         self.state = "new"
-        self._pending: dict[int, Pending] = {}
-        # requests that timed out with hooks on their answer: msg id -> (peer, wire)
-        self._late_hooks: OrderedDict[int, tuple[int, MessageContext]] = OrderedDict()
-        self._ids = itertools.count(1)
         self.members = MemberTable()
-        self._coordinator = Coordinator(world_size) if rank == 0 else None
-        self._joined = threading.Event()
-        # Requests that arrived before this agent had the member table (a peer
-        # that heard first called at once): served once it arrives (I/O thread).
-        self._early: list[Envelope] = []
-        self._join_error: str | None = None
-        self._verdicts: dict[int, Future] = {}  # shutdown round -> "done?"
-        self._rounds = itertools.count()
-        self._lock = threading.Lock()
-        self._sent: Counter[int] = Counter()  # requests sent, per peer (under _lock)
-        self._served: Counter[int] = Counter()  # requests answered, per caller (under _lock)
-        self._coordinator_seen = 0.0  # when rank 0 was last heard from
-        self._coordinator_address: str | None = None
-        self._last_tick = 0.0
-        self._shutdown_cut: str | None = None  # why a graceful shutdown stopped waiting
-        self.readmitted = 0  # members (or the coordinator) taken back after a wrong suspicion
         self._gc_held = False
-        self.timeouts = self.late_replies = self.remote_errors = 0
-        self.channels_busy = 0  # channel threads running a request (under _lock)
+        # the parts, each with its own state (the counts of requests sent and
+        # served share one lock: a drain report reads both under it)
+        counts = threading.Lock()
+        self.caller = Caller(self, counts)
+        self.callee = Callee(self, self.caller, counts)
+        self.leaving = Shutdown(self, self.caller, self.callee)
+        self.control = Control(self, self.callee, self.leaving)
+        self.handlers["call"] = self.callee.handle_call
+        self.io.on_unread = self.callee.unreadable
+        # the dispatch of incoming messages (on the I/O thread, or on the
+        # thread that reads its own channel): message kind -> handler
+        self.routes: dict[int, Callable[[Envelope], None]] = {
+            RESPONSE: self.caller.complete,
+            REQUEST: self.callee.on_request,
+            INLINE: self.callee.on_inline,
+            CONTROL: self.control.on_message,
+        }
         for install in _EXTENSIONS:
             install(self)
 
@@ -188,27 +211,27 @@ class Agent(Caller, Callee, Control, Shutdown):
             self._gc_held = True
         self.io.start()
         self.io.call_soon(self._adopt_thread)
-        join = Join(self._member, self.world_size)
+        join = Join(self.me, self.world_size)
         if self.options.heartbeat_interval > 0:
-            self._last_tick = time.monotonic()
-            self.io.call_later(self.options.heartbeat_interval, self._tick)
-        if self._coordinator is not None:
-            self.io.call_soon(self._on_join, join)
+            self.control.last_tick = time.monotonic()
+            self.io.call_later(self.options.heartbeat_interval, self.control.tick)
+        if self.control.coordinator is not None:
+            self.io.call_soon(self.control.on_join, join)
         else:
             if coordinator_address is None:
                 raise RendezvousError("a non-coordinator agent needs the coordinator's address")
-            self._coordinator_address = coordinator_address
+            self.control.coordinator_address = coordinator_address
             self.io.set_address(0, coordinator_address)
-            self._send_control(0, join)
+            self.control.send(0, join)
 
     def wait_joined(self, timeout: float) -> bool:
         """Wait (bounded) for the member table; True once joined. A refusal
         from the coordinator stops the agent and raises RendezvousError."""
-        if not self._joined.wait(timeout):
+        if not self.control.joined.wait(timeout):
             return False
-        if self._join_error:
+        if self.control.join_error:
             self._stop_local()
-            raise RendezvousError(self._join_error)
+            raise RendezvousError(self.control.join_error)
         self._check_devices()
         if self.state == "ready":
             log.info("nbrpc agent %r (rank %d) ready at %s", self.name, self.rank, self.address)
@@ -230,12 +253,12 @@ class Agent(Caller, Callee, Control, Shutdown):
     def fail_join(self, timeout: float) -> None:
         """Stop, and raise the error for a join that did not complete in time."""
         self._stop_local()
-        if self._join_error:  # the group failed, and some rank never came to hear it
-            raise RendezvousError(f"{self._join_error} (and not every rank joined within "
+        if self.control.join_error:  # the group failed, and some rank never came to hear it
+            raise RendezvousError(f"{self.control.join_error} (and not every rank joined within "
                                   f"{timeout:g} s to be told so)")
         missing = ""
-        if self._coordinator is not None and self.world_size is not None:
-            have = sorted(self._coordinator.members)
+        if self.control.coordinator is not None and self.world_size is not None:
+            have = sorted(self.control.coordinator.members)
             missing = (f" Joined so far: ranks {have} of world_size={self.world_size};"
                        " check that every rank calls init_rpc with the same init_method.")
         if self.rank != 0:
@@ -247,7 +270,6 @@ class Agent(Caller, Callee, Control, Shutdown):
                         "dropped here meanwhile: a rank with a different key tried to join.")
         raise RendezvousError(
             f"{self.name!r} could not join the group within {timeout:g} s.{missing}")
-
 
     def _adopt_thread(self) -> None:
         _local.agent = self
@@ -272,11 +294,11 @@ class Agent(Caller, Callee, Control, Shutdown):
         """The rank of the member (or former member) called ``name``, or None."""
         return self.members.rank_of(name)
 
-    def _set_members(self, members: tuple[Member, ...]) -> None:
+    def set_members(self, members: tuple[Member, ...]) -> None:
         for m in members:
-            self._add_member(m)
+            self.add_member(m)
 
-    def _add_member(self, m: Member) -> None:
+    def add_member(self, m: Member) -> None:
         self.members.add(m)
         if m.rank != self.rank:
             self.io.set_address(m.rank, m.address, m.local)
@@ -285,18 +307,20 @@ class Agent(Caller, Callee, Control, Shutdown):
         """Coordinator only: drop ``rank`` from the group now, as the failure
         detector would (``dead``) or as a leave, e.g. because its process is
         known to have exited. Everyone is told; calls to it fail at once."""
-        if self._coordinator is None:
+        if self.control.coordinator is None:
             raise RuntimeError(f"only the coordinator (rank 0) can expel a member, not {self.name!r}")
+
+        control = self.control
 
         def run() -> None:
             if rank in self.members and rank != self.rank:
-                self._coordinator.banish(rank)  # that process is not taken back
-                self._dispatch(self._coordinator.on_leave(rank, dead=dead, why=why))
-                self._remove_member(rank, dead=dead, why=why)
+                control.coordinator.banish(rank)  # that process is not taken back
+                control.send_all(control.coordinator.on_leave(rank, dead=dead, why=why))
+                self.remove_member(rank, dead=dead, why=why)
 
         self.io.call_soon(run)
 
-    def _remove_member(self, rank: int, dead: bool = False, why: str | None = None) -> None:
+    def remove_member(self, rank: int, dead: bool = False, why: str | None = None) -> None:
         why = why or ("died" if dead else "left the group")
         m = self.members.remove(rank, why)
         if m is None:
@@ -306,18 +330,14 @@ class Agent(Caller, Callee, Control, Shutdown):
         self.events.add("member-dead" if dead else "member-left", "", m.name, 0, 0)
         self.io.forget(rank)
         self.codes.forget(rank)
-        for mid, p in list(self._pending.items()):
-            if p.peer == rank and self._pending.pop(mid, None) is not None:
-                if p.timer is not None:
-                    self.io.cancel(p.timer)
-                self._settle(p, error=WorkerGoneError(m.name, why))
+        self.caller.fail_calls_to(rank, m.name, why)
         for hook in self.gone_hooks:
             try:
                 hook(rank)
             except Exception:
                 log.exception("a member-gone hook failed for rank %d", rank)
         if rank == 0 and self.state == "stopping":
-            self._cut_shutdown(f"the coordinator {m.name!r} {why}")
+            self.leaving.cut_short(f"the coordinator {m.name!r} {why}")
         if dead:  # a killed process leaves its shared-memory segments behind
             try:
                 shm.sweep_orphans()
@@ -332,27 +352,125 @@ class Agent(Caller, Callee, Control, Shutdown):
         """Why ``rank`` is no longer a member ("died (no heartbeat ...)"), or None."""
         return self.members.gone_why(rank)
 
+    # -- incoming messages: the agent's dispatch ----------------------------
+    def _on_message(self, env: Envelope) -> None:
+        """The I/O loop's callback (and a reading channel's): hand ``env`` to
+        the part that handles its kind (:attr:`routes`)."""
+        if env.run != self.io.run and not self._before_run(env):
+            return
+        handler = self.routes.get(env.kind)
+        if handler is None:
+            self.io.note_drop("unknown kind", f"kind {env.kind} from rank {env.sender}")
+        else:
+            handler(env)
+
+    def _before_run(self, env: Envelope) -> bool:
+        """May ``env``, of another run than this agent's (the transport let it
+        through because one of the two is not known yet: 0), go on? A joiner's
+        Join and the answer to it do (the control handler checks which), and
+        requests that reach a joiner are held until it knows the run (then
+        looked at again); the rest is refused as a recorded message."""
+        if env.kind == CONTROL or (self.io.run == 0 and env.kind in (REQUEST, INLINE)):
+            return True
+        self.io.note_drop("wrong run", f"kind {env.kind} from rank {env.sender}, run "
+                                       f"{env.run:x} (this is run {self.io.run:x})")
+        return False
+
+    # -- calls: the caller and callee parts ----------------------------------
+    def rpc_async(self, to: Any, fn: Callable, args: tuple | None = None,
+                  kwargs: dict | None = None, timeout: float = -1.0,
+                  keep: Any = None) -> RpcFuture:
+        """Run ``fn(*args, **kwargs)`` on ``to``; returns a future of the result
+        (:meth:`Caller.rpc_async <.caller.Caller.rpc_async>`)."""
+        __tracebackhide__ = True
+        return self.caller.rpc_async(to, fn, args, kwargs, timeout, keep)
+
+    def rpc_sync(self, to: Any, fn: Callable, args: tuple | None = None,
+                 kwargs: dict | None = None, timeout: float = -1.0, keep: Any = None) -> Any:
+        """Run ``fn(*args, **kwargs)`` on ``to`` and wait for the result
+        (:meth:`Caller.rpc_sync <.caller.Caller.rpc_sync>`)."""
+        __tracebackhide__ = True
+        return self.caller.rpc_sync(to, fn, args, kwargs, timeout, keep)
+
+    def request(self, to: Any, msg: Any, timeout: float = -1.0, inline: bool = False,
+                keep: Any = None,
+                then: Callable[[Any, BaseException | None], None] | None = None,
+                tagged: bool = False, sync: bool = False,
+                along: int | None = None) -> RpcFuture:
+        """Send a typed request; the future completes with the handler's answer
+        (:meth:`Caller.request <.caller.Caller.request>` says what the options do)."""
+        __tracebackhide__ = True
+        return self.caller.request(to, msg, timeout, inline, keep, then, tagged, sync, along)
+
+    def unanswered_since(self, started: float) -> int:
+        """Calls this agent sent at or after ``started`` (``time.perf_counter()``)
+        that have no answer yet."""
+        return self.caller.unanswered_since(started)
+
+    def user_error(self, op: str, sender: int, e: BaseException) -> None:
+        """Log a failure of code run for ``sender`` (:meth:`Callee.user_error
+        <.callee.Callee.user_error>`)."""
+        self.callee.user_error(op, sender, e)
+
     @property
     def sent(self) -> int:
         """Requests sent since start."""
-        return sum(self._sent.values())
+        return sum(self.caller.sent_to.values())
 
     @property
     def served(self) -> int:
         """Requests answered since start."""
-        return sum(self._served.values())
+        return sum(self.callee.served_to.values())
 
-    # -- calls: caller side --------------------------------------------------
+    @property
+    def timeouts(self) -> int:
+        """Calls of this agent that timed out."""
+        return self.caller.timeouts
 
+    @property
+    def late_replies(self) -> int:
+        """Answers that came after their call timed out (or to no call), discarded."""
+        return self.caller.late_replies
 
-    # -- calls: callee side --------------------------------------------------
+    @property
+    def remote_errors(self) -> int:
+        """Calls of this agent answered with an error."""
+        return self.caller.remote_errors
 
+    @property
+    def channels_busy(self) -> int:
+        """Channel threads running a request now."""
+        return self.callee.channels_busy
 
-    # -- control -------------------------------------------------------------
+    @property
+    def readmitted(self) -> int:
+        """Members (or the coordinator) taken back after a wrong suspicion."""
+        return self.control.readmitted
 
+    # -- leaving -------------------------------------------------------------
+    def shutdown(self, graceful: bool = True, timeout: float = 0,
+                 leak_check: bool = False) -> None:
+        """Leave the group. Graceful: first wait until the whole (static) group
+        has no call, in any direction, still outstanding; then run the
+        ``shutdown_hooks`` (the RRef layer reports leaks if ``leak_check`` and
+        deletes its user RRefs) and wait again for what they sent
+        (:class:`~.shutdown.Shutdown`)."""
+        self.leaving.shutdown(graceful, timeout, leak_check)
 
-    # -- failure detection (on the I/O thread) ---------------------------------
-
+    def _stop_local(self) -> None:
+        """Stop this agent's threads; calls still waiting fail."""
+        self.state = "stopped"
+        self.io.stop()
+        if self._gc_held:
+            self._gc_held = False
+            gcfreeze.release()
+        stuck = self.pool.stop(timeout=2.0)
+        if stuck:
+            log.warning("nbrpc agent %r: worker threads still running user code at "
+                        "shutdown: %s", self.name, ", ".join(stuck))
+        self.caller.fail_all()
+        if _Default.agent is self:
+            _Default.agent = None
 
     # -- observability -------------------------------------------------------
 
@@ -373,29 +491,29 @@ class Agent(Caller, Callee, Control, Shutdown):
             "counters": {
                 "requests_sent": self.sent,
                 "requests_served": self.served,
-                "protocol_busy": self._busy(),
+                "protocol_busy": self.leaving.busy(),
                 "messages_sent": self.io.sent_msgs,
                 "messages_received": self.io.recv_msgs,
                 "bytes_sent": self.io.sent_bytes,
                 "bytes_received": self.io.recv_bytes,
                 "dropped_bad_signature": self.io.dropped_bad,
                 "dropped": dict(self.io.dropped),
-                "readmitted": self.readmitted,
-                "in_flight": len(self._pending),
-                "timeouts": self.timeouts,
-                "late_replies": self.late_replies,
-                "remote_errors": self.remote_errors,
+                "readmitted": self.control.readmitted,
+                "in_flight": len(self.caller.pending),
+                "timeouts": self.caller.timeouts,
+                "late_replies": self.caller.late_replies,
+                "remote_errors": self.caller.remote_errors,
                 "code_cache": self.codes.stats(),
                 "threads": self.pool.size,
                 "busy_threads": self.pool.busy,
                 "queued": self.pool.queued,
                 "channels": self.io.channels.served if self.io.channels is not None else 0,
-                "channels_busy": self.channels_busy,
+                "channels_busy": self.callee.channels_busy,
             },
             "in_flight": [
                 {"msg_id": mid, "op": p.op, "peer": self.peer_name(p.peer),
                  "age": now - p.started}
-                for mid, p in list(self._pending.items())
+                for mid, p in list(self.caller.pending.items())
             ],
             "events": self.events.records(events),
         }

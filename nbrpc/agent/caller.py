@@ -1,23 +1,27 @@
 """The caller side of an agent: send a request, match its answer.
 
-Mixed into :class:`~nbrpc.agent.agent.Agent`; uses its I/O loop, pool, member
-table and counters. A request is pickled on the calling thread (signed there by
-the transport) and its :class:`~.wire.Pending` entry waits for the RESPONSE
-with the same message id, a timeout, or the peer's departure. A callee that
-missed code named by hash (:mod:`nbrpc.serialize.code`) gets the request
-again, once, with every definition in full.
+:class:`Caller` is one part of an :class:`~nbrpc.agent.agent.Agent`
+(``agent.caller``); it owns the calls in flight and the caller's counters and
+uses the agent's I/O loop, pool and member table; the agent's dispatch hands
+it the RESPONSE messages. A request is pickled on the calling thread (signed
+there by the transport) and its :class:`~.wire.Pending` entry waits for the
+RESPONSE with the same message id, a timeout, or the peer's departure. A
+callee that missed code named by hash (:mod:`nbrpc.serialize.code`) gets the
+request again, once, with every definition in full.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 import time
+from collections import Counter, OrderedDict
 from collections.abc import Callable
 from functools import partial
 from typing import Any
 
-from ..errors import RpcTimeoutError, SerializationError, ShutdownError
+from ..errors import RpcTimeoutError, SerializationError, ShutdownError, WorkerGoneError
 from ..serialize import dumps, loads
 from ..transport import Envelope
 from ..transport.channel import Channel, ChannelClosed
@@ -44,7 +48,29 @@ _LATE_HOOKS = 4096  # timed-out requests whose late answer still runs the wire's
 
 
 class Caller:
-    """Requests out, answers in (see the module docstring)."""
+    """Requests out, answers in (see the module docstring).
+
+    Owns the calls waiting for their answer (``pending``: msg id ->
+    :class:`~.wire.Pending`), the ids it draws, the hooks of timed-out calls
+    whose answer may still come (``late_hooks``), the requests sent per peer
+    (``sent_to``, under ``lock``, which it shares with the callee's counts)
+    and the counters ``timeouts``, ``late_replies`` and ``remote_errors``.
+    ``agent`` is the :class:`~nbrpc.agent.agent.Agent` it is part of (its
+    state and propagator are read per call).
+    """
+
+    def __init__(self, agent: Any, lock: threading.Lock) -> None:
+        self.agent, self.name = agent, agent.name
+        self.io, self.pool, self.events = agent.io, agent.pool, agent.events
+        self.codes, self.members, self.options = agent.codes, agent.members, agent.options
+        self.faults = agent.faults
+        self.lock = lock
+        self.pending: dict[int, Pending] = {}
+        # requests that timed out with hooks on their answer: msg id -> (peer, wire)
+        self.late_hooks: OrderedDict[int, tuple[int, MessageContext]] = OrderedDict()
+        self.ids = itertools.count(1)
+        self.sent_to: Counter[int] = Counter()  # requests sent, per peer (under lock)
+        self.timeouts = self.late_replies = self.remote_errors = 0
 
     def rpc_async(self, to: Any, fn: Callable, args: tuple | None = None,
                   kwargs: dict | None = None, timeout: float = -1.0,
@@ -88,14 +114,15 @@ class Caller:
         is, it goes first on the same channel (``to_here`` right after
         ``remote``: both run on the callee's channel thread, in order)."""
         __tracebackhide__ = True
-        if self.state not in ("ready", "stopping"):
-            raise ShutdownError(f"agent {self.name!r} is {self.state}; it takes no new calls")
-        peer = self.resolve(to).rank
+        agent = self.agent
+        if agent.state not in ("ready", "stopping"):
+            raise ShutdownError(f"agent {self.name!r} is {agent.state}; it takes no new calls")
+        peer = self.members.resolve(to).rank
         timeout = check_timeout(timeout, self.options.rpc_timeout)
-        tag = (None if (inline and not tagged) or self.propagator is None
-               else self.propagator.current())
+        propagator = agent.propagator
+        tag = None if (inline and not tagged) or propagator is None else propagator.current()
         if tag is not None:
-            self.propagator.sent(tag, peer)
+            propagator.sent(tag, peer)
         p = Pending(RpcFuture(self._io_ident), peer, msg.op, time.perf_counter(), None,
                      keep, then)
         self._send_request(p, msg, tag, timeout, INLINE if inline else REQUEST, sync=sync,
@@ -107,13 +134,13 @@ class Caller:
                       along: int | None = None) -> None:
         __tracebackhide__ = True  # (IPython leaves nbrpc's frames out of tracebacks)
         peer = p.peer
-        wire = MessageContext(self, peer, tag, refs_ok=True)
+        wire = MessageContext(self.agent, peer, tag, refs_ok=True)
         try:
             payload, buffers = dumps(msg if tag is None else (Tag(tag), msg), wire)
         except SerializationError:
             wire.unsent()
             verb = msg.op if msg.op != "call" else "rpc_sync" if sync else "rpc_async"
-            error = unpicklable_request(verb, self.peer_name(peer), msg)
+            error = unpicklable_request(verb, self.members.peer_name(peer), msg)
             if error is None:
                 raise
             raise error from None  # (its message has the pickler's; its frames are nbrpc's)
@@ -121,18 +148,18 @@ class Caller:
         if over is not None:  # the callee would drop it unread: fail now, not at the timeout
             wire.unsent()
             verb = msg.op if msg.op != "call" else "rpc_sync" if sync else "rpc_async"
-            name = self.peer_name(peer)
+            name = self.members.peer_name(peer)
             raise too_large(f"{verb}({name!r}, {describe_message(msg)}): the request", *over,
                             name)
-        mid = next(self._ids)
+        mid = next(self.ids)
         p.wire = wire if wire.undo or wire.full else None
         if wire.refs and may_resend:
             p.resend = (msg, tag, timeout, kind)
-        self._pending[mid] = p
+        self.pending[mid] = p
         if timeout > 0:
-            p.timer = self.io.call_later(timeout, self._expire, mid, timeout)
-        with self._lock:
-            self._sent[peer] += 1
+            p.timer = self.io.call_later(timeout, self.expire, mid, timeout)
+        with self.lock:
+            self.sent_to[peer] += 1
         first = None  # the queued request ``along``, taken back: not yet handed to a write
         try:
             fault = self.faults.take(msg.op, False) if self.faults.rules else None
@@ -150,18 +177,18 @@ class Caller:
                 if not sync:
                     p.future.msg_id, p.future.unsent = mid, partial(self.io.flush_to, peer)
             else:
-                nbytes = self._inject(fault, peer, kind, mid, payload, buffers)
+                nbytes = self.inject(fault, peer, kind, mid, payload, buffers)
         except BaseException:  # nothing left: no pending entry, no count, no timer
             if first is not None:  # (Ctrl-C while the channel opened) it still goes
                 self.io.send_frames(peer, first)
-            self._pending.pop(mid, None)
+            self.pending.pop(mid, None)
             if p.timer is not None:
                 self.io.cancel(p.timer)
-            with self._lock:
-                self._sent[peer] -= 1
+            with self.lock:
+                self.sent_to[peer] -= 1
             wire.unsent()
             raise
-        self.events.add("send", msg.op, self.peer_name(peer), mid, nbytes, None,
+        self.events.add("send", msg.op, self.members.peer_name(peer), mid, nbytes, None,
                         describe_message(msg))
 
     def _send_on(self, chan: Channel, p: Pending, timeout: float, kind: int, mid: int,
@@ -195,7 +222,7 @@ class Caller:
         try:
             while not fut.done():
                 left = deadline - time.monotonic()
-                if left <= 0 or self.state == "stopped":
+                if left <= 0 or self.agent.state == "stopped":
                     break
                 messages, closed = chan.read(min(_SLICE, left))
                 for frames in messages:
@@ -220,14 +247,14 @@ class Caller:
         if timeout > 0:
             timeout = max(timeout - (time.perf_counter() - p.started), 1e-3)
         log.info("nbrpc agent %r: %s to %r resent with its code in full", self.name, p.op,
-                 self.peer_name(p.peer))
+                 self.members.peer_name(p.peer))
         try:  # (on the thread that reads its channel: again over it)
             self._send_request(p, msg, tag, timeout, kind, may_resend=False,
                                sync=p.future.pump is not None)
         except BaseException as e:
-            self._settle(p, error=e)
+            self.settle(p, error=e)
 
-    def _inject(self, fault: tuple[str, float], peer: int, kind: int, mid: int,
+    def inject(self, fault: tuple[str, float], peer: int, kind: int, mid: int,
                 payload: bytes, buffers: list) -> int:
         """A test's fault: the message is lost, or sent late. A lost request is
         not counted as sent (the callee never counts it as served); a lost
@@ -236,54 +263,54 @@ class Caller:
         log.info("fault injection: %s message %d to rank %d", action, mid, peer)
         if action == "drop":
             if kind != RESPONSE:
-                with self._lock:
-                    self._sent[peer] -= 1
+                with self.lock:
+                    self.sent_to[peer] -= 1
             return 0
         self.io.call_later(delay, self._send_late, peer, kind, mid, payload, buffers)
         return 0
 
     def _send_late(self, peer: int, kind: int, mid: int, payload: bytes, buffers: list) -> None:
-        if self.state in ("ready", "stopping") and peer in self.members:
+        if self.agent.state in ("ready", "stopping") and peer in self.members:
             self.io.send(peer, kind, mid, payload, buffers)
 
     def _io_ident(self) -> int | None:
         return self.io.thread_ident
 
-    def _expire(self, mid: int, timeout: float) -> None:
-        p = self._pending.pop(mid, None)
+    def expire(self, mid: int, timeout: float) -> None:
+        p = self.pending.pop(mid, None)
         if p is None:
             return
         self.timeouts += 1
         if p.wire is not None and p.wire.answered:  # (an RRef sent home: its late
-            with self._lock:                        # answer still lets the parent go)
-                self._late_hooks[mid] = (p.peer, p.wire)
-                forgot = (self._late_hooks.popitem(last=False)
-                          if len(self._late_hooks) > _LATE_HOOKS else None)
+            with self.lock:                         # answer still lets the parent go)
+                self.late_hooks[mid] = (p.peer, p.wire)
+                forgot = (self.late_hooks.popitem(last=False)
+                          if len(self.late_hooks) > _LATE_HOOKS else None)
             if forgot is not None:
                 gone, (peer, _) = forgot
                 log.warning("nbrpc agent %r: forgot what the answer to request %d from "
                             "rank %d was to settle (over %d timed out); RRefs it sent "
                             "home stay held", self.name, gone, peer, _LATE_HOOKS)
-        name = self.peer_name(p.peer)
+        name = self.members.peer_name(p.peer)
         self.events.add("timeout", p.op, name, mid, 0, time.perf_counter() - p.started)
-        self._settle(p, error=RpcTimeoutError(f"RPC {p.op!r}", timeout, worker=name))
+        self.settle(p, error=RpcTimeoutError(f"RPC {p.op!r}", timeout, worker=name))
 
-    def _settle(self, p: Pending, value: Any = None, error: BaseException | None = None,
+    def settle(self, p: Pending, value: Any = None, error: BaseException | None = None,
                 ) -> None:
         """Complete a call's future. Its callbacks (``.then()``) run on the
         completing thread, and a callback may block (wait on another call, as
         PyTorch allows): a future that has callbacks is completed on a pool
         thread, never on the I/O thread that must deliver the answers they wait
         for. A future without any completes here, at no extra cost."""
-        if (p.future.has_callbacks and self.state != "stopped"
+        if (p.future.has_callbacks and self.agent.state != "stopped"
                 and threading.get_ident() == self.io.thread_ident):
             self.pool.submit(p.settle, value, error)
         else:
             p.settle(value, error)
 
-    def _complete(self, env: Envelope) -> None:
-        p = self._pending.get(env.msg_id)
-        if p is None or p.peer != env.sender or self._pending.pop(env.msg_id, None) is None:
+    def complete(self, env: Envelope) -> None:
+        p = self.pending.get(env.msg_id)
+        if p is None or p.peer != env.sender or self.pending.pop(env.msg_id, None) is None:
             self.late_replies += 1
             log.debug("discarding a late or stray reply %d from rank %d", env.msg_id,
                       env.sender)
@@ -291,13 +318,13 @@ class Caller:
             return
         if p.timer is not None:
             self.io.cancel(p.timer)
-        name = self.peer_name(p.peer)
+        name = self.members.peer_name(p.peer)
         self.events.add("recv", p.op, name, env.msg_id, len(env.payload),
                         time.perf_counter() - p.started)
         try:
-            reply = loads(env.payload, env.buffers, MessageContext(self, env.sender))
+            reply = loads(env.payload, env.buffers, MessageContext(self.agent, env.sender))
         except Exception as e:
-            self._settle(p, error=SerializationError(
+            self.settle(p, error=SerializationError(
                 f"the answer from {name!r} could not be unpickled here: "
                 f"{type(e).__name__}: {e}"))
             return
@@ -309,7 +336,7 @@ class Caller:
         elif p.wire is not None:  # unread: undo what it carried (e.g. RRefs forked into it)
             p.wire.unsent()
         if type(reply) is Ok:
-            self._settle(p, reply.value)
+            self.settle(p, reply.value)
             return
         if reply.unread and reply.type_name == MISS_TYPE_NAME and p.resend:
             self.codes.forget(p.peer)
@@ -320,22 +347,22 @@ class Caller:
                 self._resend(p)
             return
         self.remote_errors += 1
-        self._settle(p, error=rebuild_error(reply))
+        self.settle(p, error=rebuild_error(reply))
 
     def _discard(self, env: Envelope) -> None:
         """A late reply is still unpickled, then dropped: RRefs forked into it
         must be received (and released) for their parents to let go, and what
         waited on the answer to a request that timed out runs (or is undone)."""
-        with self._lock:
-            late = self._late_hooks.get(env.msg_id)
+        with self.lock:
+            late = self.late_hooks.get(env.msg_id)
             if late is not None and late[0] == env.sender:
-                del self._late_hooks[env.msg_id]
+                del self.late_hooks[env.msg_id]
             else:
                 late = None
         if env.sender not in self.members:
             return
         try:
-            reply = loads(env.payload, env.buffers, MessageContext(self, env.sender))
+            reply = loads(env.payload, env.buffers, MessageContext(self.agent, env.sender))
         except Exception as e:
             log.debug("a late reply from rank %d did not unpickle: %s", env.sender, e)
             return
@@ -348,4 +375,20 @@ class Caller:
     def unanswered_since(self, started: float) -> int:
         """Calls this agent sent at or after ``started`` (``time.perf_counter()``)
         that have no answer yet."""
-        return sum(p.started >= started for p in list(self._pending.values()))
+        return sum(p.started >= started for p in list(self.pending.values()))
+
+    def fail_calls_to(self, rank: int, name: str, why: str) -> None:
+        """``rank`` (``name``) left the group (``why``): its calls fail."""
+        for mid, p in list(self.pending.items()):
+            if p.peer == rank and self.pending.pop(mid, None) is not None:
+                if p.timer is not None:
+                    self.io.cancel(p.timer)
+                self.settle(p, error=WorkerGoneError(name, why))
+
+    def fail_all(self) -> None:
+        """The agent stopped: every call still waiting fails."""
+        for mid in list(self.pending):
+            p = self.pending.pop(mid, None)
+            if p is not None and not p.future.done():
+                p.settle(error=ShutdownError(f"{self.name!r} shut down before "
+                                             f"{self.members.peer_name(p.peer)!r} answered"))

@@ -12,16 +12,13 @@ import logging
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from ..errors import CodeCacheMiss, MessageTooLargeError, SerializationError
 from ..serialize import CodeCache, a_type, current_context, find_unpicklable
 from .futures import RpcFuture
-
-if TYPE_CHECKING:
-    from .agent import Agent
 
 log = logging.getLogger(__name__)
 
@@ -32,7 +29,9 @@ MISS_TYPE_NAME = f"{CodeCacheMiss.__module__}.{CodeCacheMiss.__qualname__}"  # a
 
 class MessageContext:
     """What a reducer sees (``nbrpc.serialize.current_context()``) while a
-    message is pickled or unpickled: this agent, the peer at the other end,
+    message is pickled or unpickled: this agent (an
+    :class:`~nbrpc.agent.agent.Agent`: not imported here, as agent.py imports
+    this module), the peer at the other end,
     ``undo`` callbacks to run if the message is never sent, the value the
     message propagates (``tag``: the autograd context id), a scratch dict
     for upper layers (``stash``: one autograd message id per message) and
@@ -45,7 +44,7 @@ class MessageContext:
     __slots__ = ("agent", "peer", "undo", "tag", "stash", "before", "refs_ok", "full", "refs",
                  "answered", "answering")
 
-    def __init__(self, agent: Agent, peer: int, tag: Any = None, refs_ok: bool = False) -> None:
+    def __init__(self, agent: Any, peer: int, tag: Any = None, refs_ok: bool = False) -> None:
         self.agent, self.peer, self.tag = agent, peer, tag
         self.undo: list[Callable[[], None]] | None = None
         self.stash: dict[str, Any] | None = None

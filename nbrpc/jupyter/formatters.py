@@ -111,7 +111,7 @@ def future_html(fut: _futures.RpcFuture) -> str:
 
 def _pending_call(fut: Any) -> str:
     agent = _Default.agent
-    pending = getattr(agent, "_pending", None)
+    pending = agent.caller.pending if agent is not None else None
     if not pending:
         return ""
     for p in list(pending.values())[:100_000]:  # bounded: the calls in flight

@@ -1,0 +1,277 @@
+"""Control messages and failure detection, on the I/O thread.
+
+:class:`Control` is one part of an :class:`~nbrpc.agent.agent.Agent`
+(``agent.control``); the agent's dispatch hands it the CONTROL messages. They
+carry group membership (join, members, joined, left), heartbeats and the
+shutdown rounds; their handlers never block and never run user code. Every
+heartbeat interval :meth:`Control.tick` sends heartbeats and, on the
+coordinator, asks the :class:`~.group.Coordinator` whom to declare dead: a
+member whose connection closed (its process exited, or its host stopped
+acknowledging) after ``link_timeout``; one that is only silent, with its link
+up, after ``failure_timeout`` (never, by default, where lost hosts close
+links). A member wrongly declared dead is taken back when heard; a member that gave up on its
+coordinator asks to join again at once, so that a partition that heals heals
+the group too (both sides gave up on each other; nobody else would call).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any
+
+from ..serialize import dumps, loads
+from ..transport import Envelope
+from .group import Coordinator
+from .messages import (
+    CONTROL,
+    DrainReport,
+    DrainVerdict,
+    Heartbeat,
+    Join,
+    Leave,
+    MemberJoined,
+    MemberLeft,
+    Members,
+)
+
+log = logging.getLogger(__name__)
+
+
+class Control:
+    """Membership, heartbeats and failure detection (see the module docstring).
+
+    Owns the join's outcome (``joined``, set once the member table or a
+    refusal came; ``join_error``), the coordinator's pure state on rank 0
+    (``coordinator``: a :class:`~.group.Coordinator`, else None), where the
+    coordinator is and when it was last heard from (``coordinator_address``,
+    ``coordinator_seen``), the heartbeat clock (``last_tick``) and
+    ``readmitted`` (members, or the coordinator, taken back after a wrong
+    suspicion). ``agent`` is the :class:`~nbrpc.agent.agent.Agent` it is part
+    of (its state and member table's side effects); ``callee`` serves the
+    requests held while joining; ``leaving`` (the
+    :class:`~.shutdown.Shutdown` part) takes the drain verdicts and is cut
+    short when the group falls apart.
+    """
+
+    def __init__(self, agent: Any, callee: Any, leaving: Any) -> None:
+        self.agent, self.callee, self.leaving = agent, callee, leaving
+        self.name, self.rank, self.world_size = agent.name, agent.rank, agent.world_size
+        self.io, self.members, self.options = agent.io, agent.members, agent.options
+        self.me = agent.me  # this agent's own Member record (Join, Heartbeat)
+        self.coordinator = Coordinator(agent.world_size) if agent.rank == 0 else None
+        self.joined = threading.Event()
+        self.join_error: str | None = None
+        self.coordinator_seen = 0.0  # when rank 0 was last heard from
+        self.coordinator_address: str | None = None
+        self.last_tick = 0.0
+        self._recheck_due = False  # a check of the links is set before the next tick
+        self.readmitted = 0  # members (or the coordinator) taken back after a wrong suspicion
+
+    def send(self, rank: int, msg: Any) -> None:
+        payload, buffers = dumps(msg)
+        self.io.send(rank, CONTROL, 0, payload, buffers)
+
+    def on_message(self, env: Envelope) -> None:
+        msg = loads(env.payload, env.buffers)
+        t = type(msg)
+        if not self._of_this_run(env, msg):
+            return
+        now = time.monotonic()
+        if env.sender == 0:
+            self.coordinator_seen = now
+        if self.coordinator is not None:
+            self.coordinator.heard_from(env.sender, now)
+        if t is Heartbeat:
+            if msg.member is not None and msg.member.rank == env.sender:
+                self._heard_heartbeat(msg)
+            return
+        if t is Members:
+            if msg.error:
+                self.join_error = msg.error
+            else:
+                back = self.coordinator is None and self.agent.state == "ready" and 0 not in self.members
+                self.agent.set_members(msg.members)
+                if back:  # the coordinator it had given up on answered its Join
+                    log.warning("nbrpc agent %r: back in the group (the coordinator answered)",
+                                self.name)
+                    self.readmitted += 1
+                if self.coordinator is not None:
+                    self.coordinator.watch_all(now)
+                if self.agent.state == "joining":  # peers may call us from now on
+                    self.agent.state = "ready"
+                    self.callee.serve_early()
+            self.joined.set()
+        elif t is MemberJoined:
+            self.agent.add_member(msg.member)
+        elif t is MemberLeft:
+            if msg.rank == self.rank:
+                self._evicted()
+            else:
+                self.agent.remove_member(msg.rank, msg.dead, msg.why)
+        elif t is DrainVerdict:
+            self.leaving.on_verdict(msg.round, msg.done)
+        elif self.coordinator is None:
+            log.warning("rank %d sent %s to a non-coordinator", env.sender, t.__name__)
+        elif t is Leave:
+            self.send_all(self.coordinator.on_leave(msg.rank))
+            self.agent.remove_member(msg.rank)
+        elif t is Join:
+            self.on_join(msg)
+        elif t is DrainReport:
+            self.send_all(self.coordinator.on_drain_report(env.sender, msg))
+
+    def _of_this_run(self, env: Envelope, msg: Any) -> bool:
+        """Is this control message of this run of the group? A joiner's Join
+        is of none yet (run 0, the coordinator takes it); the coordinator's
+        answer to a Join must name this agent's incarnation, and tells a
+        joiner the run (signed in its header)."""
+        t = type(msg)
+        if t is Members and (msg.to != self.me.incarnation or env.sender != 0):
+            why = "an answer to another member's join"
+        elif t is Members and self.io.run == 0:
+            self.io.run = env.run
+            return True
+        elif env.run == self.io.run or (t is Join and self.coordinator is not None):
+            return True
+        else:
+            why = f"{t.__name__} of run {env.run:x} (this is run {self.io.run:x})"
+        self.io.note_drop("wrong run", f"from rank {env.sender}: {why}")
+        return False
+
+    def on_join(self, join: Join) -> None:
+        m = join.member
+        if m.incarnation in self.coordinator.banished:
+            return  # a process removed on purpose: not answered, its address not taken
+        holder = self.coordinator.members.get(m.rank)
+        out = self.coordinator.on_join(join)
+        refusal = next((r.error for _, r in out if type(r) is Members and r.error), None)
+        if refusal is not None:
+            log.error("nbrpc coordinator %r refused %r (rank %d): %s", self.name, m.name,
+                      m.rank, refusal)
+            if holder is not None:  # its rank is a member's: the refusal cannot reach it
+                out = out[1:]  # (what follows tells the group, the holder included)
+        failed = self.coordinator.failed
+        if failed is not None and self.world_size is not None and self.agent.state == "joining":
+            # the static group cannot form: every rank's init_rpc fails, not at its
+            # timeout; rank 0's once all the others have been told (they join to hear it)
+            self.join_error = failed
+            out = [(r, msg) for r, msg in out if r != self.rank]
+        if m.rank != self.rank and (refusal is None or holder is None):
+            self.io.set_address(m.rank, m.address, m.local)
+        self.send_all(out)
+        if self.join_error and self.coordinator.everyone_told:
+            self.joined.set()  # (after the sends: init_rpc stops the agent on waking)
+        if (self.world_size is None and m.rank != self.rank
+                and self.coordinator.members.get(m.rank) == m):
+            # dynamic group: the coordinator is a member too (it calls the
+            # joiner, and heartbeats and watches it from now on)
+            self.agent.add_member(m)
+            self.coordinator.heard_from(m.rank, time.monotonic())
+
+    def send_all(self, outbox: list) -> None:
+        for rank, msg in outbox:
+            try:
+                self.send(rank, msg)
+            except Exception as e:  # a member gone meanwhile
+                log.debug("control message to rank %d not sent: %s", rank, e)
+
+    def tick(self) -> None:
+        if self.agent.state == "stopped":
+            return
+        opts = self.options
+        self.io.call_later(opts.heartbeat_interval, self.tick)
+        now = time.monotonic()
+        # Late by over a second: this process was stopped or its GIL held, so
+        # nobody's silence meanwhile says anything about them.
+        stalled = now - self.last_tick > opts.heartbeat_interval + max(1.0, opts.heartbeat_interval)
+        self.last_tick = now
+        if not self.joined.is_set() or self.join_error or self.leaving.cut:
+            return
+        beat = Heartbeat(self.me, self.world_size)
+        if self.coordinator is not None:
+            if stalled:
+                self.coordinator.watch_all(now)
+            self._declare_dead(now)
+            self.send_all([(rank, beat) for rank in self.members.ranks() if rank != 0])
+            return
+        if 0 not in self.members:
+            return  # declared dead: its heartbeat, if it comes, takes it back
+        if stalled or not self.coordinator_seen:
+            self.coordinator_seen = now
+        silent, down_since = now - self.coordinator_seen, self.io.link_down_since(0)
+        if silent > opts.failure_timeout or (
+                down_since is not None and now - down_since > opts.link_timeout
+                and silent > opts.link_timeout):
+            self.agent.remove_member(0, dead=True, why=self._death(now, down_since))
+            if self.agent.state == "ready":
+                # The coordinator may be alive but cut off (a partition): then it gave
+                # up on this member too, and neither would heartbeat the other again.
+                # Ask to join again now (after the old connection is dropped): the
+                # Join waits in a new connection that keeps dialling until it is through.
+                self.io.call_soon(self.rejoin)
+            return
+        self.send_all([(0, beat)])
+
+    def _declare_dead(self, now: float) -> None:
+        """Coordinator: declare dead the members the rules give up on. A down
+        link that comes due before the next tick is checked again then (a lost
+        host is declared dead at link_timeout, not up to a tick later)."""
+        opts = self.options
+        down = {r: self.io.link_down_since(r) for r in self.coordinator.last_seen}
+        for rank in self.coordinator.expired(now, opts.failure_timeout, opts.link_timeout, down):
+            why = self._death(now, down.get(rank))
+            self.send_all(self.coordinator.on_leave(rank, dead=True, why=why))
+            self.agent.remove_member(rank, dead=True, why=why)
+        due = self.coordinator.link_due(opts.link_timeout, down)
+        if due is not None and due < now + opts.heartbeat_interval and not self._recheck_due:
+            self._recheck_due = True
+            self.io.call_later(max(0.0, due - now) + 0.01, self._recheck_links)
+
+    def _recheck_links(self) -> None:
+        self._recheck_due = False
+        now, beat = time.monotonic(), self.options.heartbeat_interval
+        if now - self.last_tick > beat + max(1.0, beat):
+            return  # this process was stalled: the tick, late too, resets who it watches
+        if (self.agent.state != "stopped" and self.coordinator is not None and self.joined.is_set()
+                and not self.join_error and not self.leaving.cut):
+            self._declare_dead(now)
+
+    def _death(self, now: float, down_since: float | None) -> str:
+        if down_since is not None and now - down_since > self.options.link_timeout:
+            return "died (its connection closed)"
+        return f"died (no heartbeat for {self.options.failure_timeout:g} s)"
+
+    def _heard_heartbeat(self, beat: Heartbeat) -> None:
+        """A heartbeat from someone this agent no longer counts as a member:
+        it was wrongly declared dead. The coordinator takes the member back
+        (as a re-join); a member whose coordinator came back joins it again."""
+        m = beat.member
+        if self.coordinator is not None:
+            if self.coordinator.readmits(m.rank, m.incarnation) and self.agent.state == "ready":
+                log.warning("nbrpc coordinator %r: %r (rank %d) is alive after all; "
+                            "taking it back", self.name, m.name, m.rank)
+                self.readmitted += 1
+                self.on_join(Join(m, beat.world_size))
+        elif m.rank == 0 and 0 not in self.members and self.agent.state == "ready":
+            log.warning("nbrpc agent %r: the coordinator %r is alive after all; joining "
+                        "it again", self.name, m.name)
+            self.rejoin(m.address)  # (counted in readmitted once it answers)
+
+    def rejoin(self, address: str | None = None) -> None:
+        self.coordinator_seen = time.monotonic()
+        self.io.set_address(0, address or self.coordinator_address)
+        self.send_all([(0, Join(self.me, self.world_size))])
+
+    def _evicted(self) -> None:
+        """The coordinator declared this (busy or stopped, but alive) worker dead."""
+        if self.agent.state == "stopping":
+            self.leaving.cut_short("the coordinator declared this worker dead")
+            return
+        if self.agent.state != "ready":
+            return
+        log.warning("nbrpc agent %r was declared dead by the coordinator (it was not heard "
+                    "from in time); joining again. Calls to it meanwhile failed.", self.name)
+        self.readmitted += 1
+        self.rejoin()
