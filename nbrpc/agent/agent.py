@@ -223,6 +223,8 @@ class Agent:
             self.control.coordinator_address = coordinator_address
             self.io.set_address(0, coordinator_address)
             self.control.send(0, join)
+            retry = self.options.control_retry
+            self.io.call_later(retry, self.control.retry_join, 2 * retry)
 
     def wait_joined(self, timeout: float) -> bool:
         """Wait (bounded) for the member table; True once joined. A refusal

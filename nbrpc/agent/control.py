@@ -30,6 +30,7 @@ from .messages import (
     DrainVerdict,
     Heartbeat,
     Join,
+    JoinChallenge,
     Leave,
     MemberJoined,
     MemberLeft,
@@ -87,6 +88,10 @@ class Control:
             if msg.member is not None and msg.member.rank == env.sender:
                 self._heard_heartbeat(msg)
             return
+        if t is JoinChallenge:
+            if self.agent.state == "joining":  # the Join again, now signed for the run
+                self.send(0, Join(self.me, self.world_size))
+            return
         if t is Members:
             if msg.error:
                 self.join_error = msg.error
@@ -123,22 +128,54 @@ class Control:
             self.send_all(self.coordinator.on_drain_report(env.sender, msg))
 
     def _of_this_run(self, env: Envelope, msg: Any) -> bool:
-        """Is this control message of this run of the group? A joiner's Join
-        is of none yet (run 0, the coordinator takes it); the coordinator's
-        answer to a Join must name this agent's incarnation, and tells a
-        joiner the run (signed in its header)."""
+        """Is this control message of this run of the group? A joiner's first
+        Join is of none yet (run 0): the coordinator answers it with a
+        :class:`JoinChallenge` (see :meth:`_challenge`) and takes only a Join
+        signed for its run. The coordinator's answers to a Join must name this
+        agent's incarnation; its challenge tells a joiner the run (signed in
+        its header)."""
         t = type(msg)
-        if t is Members and (msg.to != self.me.incarnation or env.sender != 0):
+        if (t is Members or t is JoinChallenge) and (msg.to != self.me.incarnation
+                                                     or env.sender != 0):
             why = "an answer to another member's join"
-        elif t is Members and self.io.run == 0:
+        elif t is JoinChallenge and self.io.run == 0:
             self.io.run = env.run
             return True
-        elif env.run == self.io.run or (t is Join and self.coordinator is not None):
+        elif env.run == self.io.run:
             return True
+        elif t is Join and self.coordinator is not None and env.run == 0:
+            self._challenge(msg)
+            return False
         else:
             why = f"{t.__name__} of run {env.run:x} (this is run {self.io.run:x})"
         self.io.note_drop("wrong run", f"from rank {env.sender}: {why}")
         return False
+
+    def _challenge(self, join: Join) -> None:
+        """Coordinator: answer a Join that is not signed for this run with a
+        challenge, sent to the address it names. It changes no member's
+        state: a rank held by a live member keeps its address (the joiner,
+        say that member restarted, asks again until the old one is found
+        gone), as does a process removed on purpose (never answered)."""
+        m = join.member
+        if m.rank == self.rank or m.incarnation in self.coordinator.banished:
+            return
+        holder = self.coordinator.members.get(m.rank)
+        if holder is not None and holder.incarnation != m.incarnation:
+            log.debug("a Join for rank %d, held by a live member, not answered", m.rank)
+            return
+        self.io.set_address(m.rank, m.address, m.local)
+        self.send(m.rank, JoinChallenge(m.incarnation))
+
+    def retry_join(self, delay: float) -> None:
+        """Joiner: send the Join again every ``delay`` seconds (doubling, up to
+        8 s) until the group answers it, so that one that was not answered (its
+        rank still held by this worker's previous process, a lost message)
+        does not wait for the join's timeout."""
+        if self.agent.state != "joining" or self.joined.is_set():
+            return
+        self.send_all([(0, Join(self.me, self.world_size))])
+        self.io.call_later(delay, self.retry_join, min(2 * delay, 8.0))
 
     def on_join(self, join: Join) -> None:
         m = join.member

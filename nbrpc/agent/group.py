@@ -8,9 +8,15 @@ a network.
 Joining (``world_size=N``: everyone waits for all N; ``None``: dynamic)::
 
     worker k                 coordinator (rank 0)
-       |---- Join(member) ------->|   validate name / rank
+       |---- Join(member) ------->|   not signed for this run: no state changes
+       |<--- JoinChallenge -------|   to the address the Join names (the run is
+       |---- Join(member) ------->|   in its signed header), then signed for it:
+       |                          |   validate name / rank
        |<--- Members(table) ------|   static: once all N have joined, to all
        |                          |   dynamic: at once; MemberJoined to the rest
+
+(The challenge is the agent's, :mod:`.control`: a Join recorded in an earlier
+run and played back never gets past it.)
 
 Graceful shutdown is termination detection by double counting (as PyTorch's
 TensorPipe agent loops "wait for no active calls, then all-reduce the count"):

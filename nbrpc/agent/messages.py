@@ -98,6 +98,19 @@ class Join:
 
 @fast_pickle
 @dataclass(frozen=True, slots=True)
+class JoinChallenge:
+    """The coordinator's answer to a Join not signed for its run (a joiner's
+    first, or one recorded in an earlier run and played back): its signed
+    header carries the run, and the joiner sends its Join again, signed for
+    that run, which the coordinator then takes. A recording never gets further:
+    the challenge goes to the address the Join names, and names the
+    incarnation that sent it."""
+
+    to: int  # the incarnation of the joiner it answers
+
+
+@fast_pickle
+@dataclass(frozen=True, slots=True)
 class Members:
     """The coordinator's answer to Join: the whole table, or why it refused."""
 
