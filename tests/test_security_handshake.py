@@ -21,6 +21,9 @@ for at most ``zmqhub.HANDSHAKE_MS``.)
 
 from __future__ import annotations
 
+import glob
+import json
+import os
 import socket
 import subprocess
 import sys
@@ -146,3 +149,49 @@ def test_many_connections_before_the_handshake_hold_little() -> None:
         proc.stdin.write("call\n")
         proc.stdin.flush()
         assert '"answer": 2' in proc.stdout.readline()
+
+
+def _controller_ports(profile_dir: str) -> list[int]:
+    """Every port ipyparallel's controller listens on (its connection files)."""
+    ports: set[int] = set()
+    for path in glob.glob(os.path.join(profile_dir, "security", "ipcontroller-*.json")):
+        with open(path) as f:
+            info = json.load(f)
+        for name in ("registration", "control", "mux", "task", "iopub", "notification",
+                     "hb_ping", "hb_pong", "broadcast"):
+            value = info.get(name)
+            ports.update(value if isinstance(value, list) else [value] if value else [])
+    return sorted(ports)
+
+
+def _tree_rss_mib(pid: int) -> int:
+    import psutil
+
+    root = psutil.Process(pid)
+    return sum(p.memory_info().rss for p in [root, *root.children(recursive=True)]) >> 20
+
+
+@pytest.mark.cluster
+def test_the_cluster_controller_refuses_a_large_frame_unread() -> None:
+    """ipyparallel's controller speaks no authenticated handshake: whatever a
+    frame declares, it would hold. A Cluster caps its frames (64 MiB,
+    ``controller_max_message``), so a 512 MB frame streamed to each of its
+    ports is refused before it is allocated, and the cluster carries on."""
+    from nbrpc import rpc
+    from nbrpc.cluster import Cluster
+
+    with Cluster(progress=False).start(1) as cluster:
+        ports = _controller_ports(cluster._profile_dir)
+        assert len(ports) >= 8, ports
+        pid = cluster._controller_proc.pid
+        before = _tree_rss_mib(pid)
+        t, took = time.perf_counter(), 0
+        for port in ports:
+            with _stream("127.0.0.1", port, b"NULL", declared=512 << 20, send=512 << 20) as n:
+                took += n
+        grew = _tree_rss_mib(pid) - before
+        print(f"\na 512 MB frame to each of the controller's {len(ports)} ports: it took "
+              f"{took >> 20} MB in all in {time.perf_counter() - t:.2f} s and grew by {grew} MiB")
+        assert grew < 64, f"the controller grew by {grew} MiB"
+        assert rpc.rpc_sync("worker1", max, args=(1, 2)) == 2
+        assert cluster.view("worker1").apply_sync(max, 3, 4) == 4  # ipyparallel still works

@@ -46,6 +46,8 @@ log = logging.getLogger(__name__)
 _LOCAL_LAUNCHERS = ("fork", "local")
 STOP_AGENT_TIMEOUT = 5.0  # seconds for an engine to stop its agent (mpi: see _take_down)
 STATUS_QUEUE_PERIOD = 2.0  # seconds between squeue runs for status() (a live view: 2 Hz)
+# the largest frame the ipyparallel controller accepts (see guard.cap_zmq_messages)
+CONTROLLER_MAX_MESSAGE = 64 << 20
 
 
 @dataclass
@@ -81,6 +83,11 @@ class Cluster:
     process exits is noticed within about a second and one whose host
     vanishes within about three, regardless. ``encrypt``: CURVE-encrypt the workers'
     connections (for engines on networks you do not trust).
+    ``controller_max_message``: the largest ZeroMQ frame (bytes) ipyparallel's
+    controller accepts (64 MiB): a peer that reaches its ports makes it hold
+    no more than that per connection (ipyparallel has no handshake of its
+    own). nbrpc's traffic through it is small; raise it only to send larger
+    values through ipyparallel itself (``cluster.view(name).push``).
 
     >>> import torch
     >>> from nbrpc import rpc
@@ -110,6 +117,7 @@ class Cluster:
         encrypt: bool = False,
         profile_dir: str | None = None,
         progress: bool | None = None,
+        controller_max_message: int = CONTROLLER_MAX_MESSAGE,
     ) -> None:
         if int(threads) < 1:
             raise ValueError(f"threads must be >= 1 (worker threads per agent), got {threads}")
@@ -127,6 +135,11 @@ class Cluster:
         self.heartbeat = float(heartbeat)
         self.failure_timeout = None if failure_timeout is None else float(failure_timeout)
         self.encrypt = bool(encrypt)
+        if (not isinstance(controller_max_message, int) or isinstance(controller_max_message, bool)
+                or controller_max_message < 1 << 20):
+            raise ValueError(f"controller_max_message must be an int of at least 1 MiB (bytes), "
+                             f"got {controller_max_message!r}")
+        self.controller_max_message = controller_max_message
         if self.failure_timeout is not None and not self.failure_timeout >= 2 * self.heartbeat:
             raise ValueError(f"failure_timeout must be >= twice heartbeat ({2 * self.heartbeat:g}"
                              f" s), got {failure_timeout!r}")
@@ -265,8 +278,10 @@ class Cluster:
         if self._zygote is not None:
             ZYGOTES[self._ipp.cluster_id] = self._zygote
         # a killed driver cannot remove its private profile: the guarded controller does
-        cleanup = {guard.CLEANUP_ENV: self._profile_dir} if self._own_profile else {}
-        self._loop.run(self._ipp.start_controller, timeout=self.timeout, environment=cleanup)
+        env = {guard.MAX_MESSAGE_ENV: str(self.controller_max_message)}
+        if self._own_profile:
+            env[guard.CLEANUP_ENV] = self._profile_dir
+        self._loop.run(self._ipp.start_controller, timeout=self.timeout, environment=env)
         self._controller_proc = getattr(self._ipp.controller, "process", None)
         progress.update(0, "controller started")
         if self._zygote is not None:

@@ -24,6 +24,8 @@ import time
 log = logging.getLogger("nbrpc.cluster.guard")
 
 CLEANUP_ENV = "NBRPC_GUARD_CLEANUP"
+# The largest frame (bytes) a ZeroMQ socket of the guarded process accepts.
+MAX_MESSAGE_ENV = "NBRPC_ZMQ_MAX_MESSAGE"
 
 _LOADER = ("import runpy, sys; runpy.run_path(sys.argv[1], run_name='__nbrpc_guard__')"
            "['main'](sys.argv[2:])")
@@ -79,6 +81,24 @@ def _clean_up() -> None:
         shutil.rmtree(path, ignore_errors=True)
 
 
+def cap_zmq_messages(limit: int) -> None:
+    """Make every ZeroMQ socket this process creates from now on (and the
+    processes it forks) refuse a frame larger than ``limit`` bytes
+    (``ZMQ_MAXMSGSIZE``): libzmq reads a frame's declared size first and
+    drops the connection before allocating it. ipyparallel's controller sets
+    no limit and speaks no authenticated handshake, so without one a peer
+    that can reach its ports makes it hold whatever a frame declares."""
+    import zmq
+
+    init = zmq.Context.__init__
+
+    def capped_init(self: zmq.Context, *args: object, **kwargs: object) -> None:
+        init(self, *args, **kwargs)
+        self.sockopts[zmq.MAXMSGSIZE] = limit  # a default for each socket it makes
+
+    zmq.Context.__init__ = capped_init  # type: ignore[method-assign]
+
+
 def _watch_in_forked_child() -> None:
     os.environ.pop(CLEANUP_ENV, None)  # the root of the tree cleans up, once
     watch_parent(os.getppid())
@@ -93,5 +113,8 @@ def main(argv: list[str]) -> None:
         os._exit(3)
     watch_parent(parent)
     os.register_at_fork(after_in_child=_watch_in_forked_child)
+    limit = os.environ.get(MAX_MESSAGE_ENV, "")
+    if limit.isdigit():
+        cap_zmq_messages(int(limit))
     sys.argv = [argv[1], *argv[2:]]
     runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
