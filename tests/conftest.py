@@ -110,7 +110,7 @@ def free_ports(n: int) -> list[int]:
 
 
 def poll_or_fail(pred: Callable[[], Any], timeout: float, what: Any,
-                 interval: float = 0.02) -> Any:
+                 interval: float = 0.02, error: type[Exception] = AssertionError) -> Any:
     """Wait for ``pred()`` to be true and return it; on timeout fail, saying what
     was awaited (``what``, or ``what()`` for an explanation computed then)."""
     deadline = time.monotonic() + timeout
@@ -120,8 +120,22 @@ def poll_or_fail(pred: Callable[[], Any], timeout: float, what: Any,
             return value
         if time.monotonic() > deadline:
             why = what() if callable(what) else what
-            raise AssertionError(f"timed out after {timeout} s waiting for {why}")
+            raise error(f"timed out after {timeout} s waiting for {why}")
         time.sleep(interval)
+
+
+class _TimedOut(Exception):
+    pass
+
+
+def poll_for(condition: Callable[[], bool], timeout: float = 5.0, interval: float = 0.005) -> bool:
+    """Wait until ``condition()`` is true; False if ``timeout`` passes first
+    (:func:`poll_or_fail`'s wait, for a test that asserts on the answer)."""
+    try:
+        poll_or_fail(condition, timeout, None, interval, _TimedOut)
+    except _TimedOut:
+        return False
+    return True
 
 
 @contextmanager
@@ -146,16 +160,6 @@ def intruder(address: str, key: bytes | None = None) -> Iterator[Any]:
     finally:
         sock.close()
         ctx.term()
-
-
-def poll_for(condition: Callable[[], bool], timeout: float = 5.0, interval: float = 0.005) -> bool:
-    """Wait until ``condition()`` is true; False if ``timeout`` passes first."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if condition():
-            return True
-        time.sleep(interval)
-    return condition()
 
 
 @pytest.fixture
