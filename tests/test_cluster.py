@@ -361,6 +361,27 @@ def test_sigint_interrupts_a_waiting_rpc_sync(cluster: Cluster) -> None:
     assert rpc.rpc_sync("worker2", torch.add, args=(torch.ones(1), 1), timeout=5).tolist() == [2.0]
 
 
+def test_a_worker_holding_its_gil_is_busy_not_dead_and_says_how_long(cluster: Cluster) -> None:
+    def hold_gil(seconds: int) -> int:  # (by value: a local function)
+        import ctypes
+        import os
+
+        ctypes.PyDLL(None).sleep(seconds)  # in C, the GIL held: no thread of it runs
+        return os.getpid()
+
+    held = rpc.rpc_async("worker2", hold_gil, args=(4,), timeout=30)
+    quiet: list = []
+
+    def says_silent() -> bool:
+        quiet[:] = [w for w in cluster.status(probe_timeout=0.5).workers if w.name == "worker2"]
+        return quiet[0].state == "busy" and "no heartbeat for" in quiet[0].detail
+
+    poll_or_fail(says_silent, 8, lambda: f"worker2 shown busy and silent: {quiet}")
+    assert held.wait() == cluster.workers["worker2"].pid
+    assert cluster.agent.gone_why(2) is None and cluster.agent.control.readmitted == 0
+    _wait_all_ready(cluster)
+
+
 # -- own clusters (the shared one is stopped): start/stop cycles --------------
 CYCLES = 20
 RSS_GROWTH_MIB = 24  # the driver over those cycles: flat, but for allocator noise

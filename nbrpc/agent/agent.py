@@ -350,8 +350,17 @@ class Agent:
         """Whether ``rank`` is in this agent's current member table."""
         return rank in self.members
 
+    def silent_for(self, rank: int) -> float | None:
+        """Coordinator only: seconds since member ``rank`` was last heard from
+        (a worker busy in a call that holds its GIL, or stopped, stays a member
+        while its connection is up: this says how long it has been quiet);
+        None elsewhere, or for a rank that is not a watched member."""
+        coordinator = self.control.coordinator
+        seen = coordinator.last_seen.get(rank) if coordinator is not None else None
+        return None if seen is None else max(0.0, time.monotonic() - seen)
+
     def gone_why(self, rank: int) -> str | None:
-        """Why ``rank`` is no longer a member ("died (no heartbeat ...)"), or None."""
+        """Why ``rank`` is no longer a member ("died (its connection closed)"), or None."""
         return self.members.gone_why(rank)
 
     # -- incoming messages: the agent's dispatch ----------------------------

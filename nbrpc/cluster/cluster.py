@@ -687,6 +687,11 @@ class Cluster:
         except Exception as e:  # noqa: BLE001 - shown in the status
             row.state = "dead" if agent.gone_why(w.rank) else "busy"
             row.detail = f"{type(e).__name__}: {e}"
+            silent = agent.silent_for(w.rank)
+            if row.state == "busy" and silent is not None and silent > 2 * self.heartbeat + 1:
+                row.detail = (f"no heartbeat for {silent:.0f} s: its process is busy (a call "
+                              f"holding its GIL?) or stopped, its connection up; "
+                              + row.detail)
             return row
         row.state = "busy" if info["busy_threads"] or info["in_flight"] else "ready"
         fill_row(row, info)
