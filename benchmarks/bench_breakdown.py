@@ -76,7 +76,7 @@ def _instrument(stamps: dict[int, dict[str, float]]) -> None:
     from nbrpc.transport.io import IOLoop
 
     clock = time.perf_counter
-    send, on_message, serve, complete = (IOLoop.send, Agent._on_message, Callee.serve,
+    send, on_message, serve, complete = (IOLoop.send, Agent.dispatch, Callee.serve,
                                          Caller.complete)
 
     def timed_send(self, peer, kind, msg_id, payload, buffers=(), via=None, **more):
@@ -99,7 +99,7 @@ def _instrument(stamps: dict[int, dict[str, float]]) -> None:
         complete(self, env)
         stamps.setdefault(env.msg_id, {})["done"] = clock()
 
-    IOLoop.send, Agent._on_message = timed_send, timed_on_message
+    IOLoop.send, Agent.dispatch = timed_send, timed_on_message
     Callee.serve, Caller.complete = timed_serve, timed_complete
 
 

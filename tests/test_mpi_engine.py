@@ -19,13 +19,22 @@ def fake(tmp_path: Path, name: str, version: str) -> str:
 
 
 def test_open_mpi_is_told_to_forward_the_engines_environment(tmp_path: Path) -> None:
-    mpi_engine.is_open_mpi.cache_clear()
+    mpi_engine.version_text.cache_clear()
     ompi = fake(tmp_path, "ompi-mpiexec", "mpiexec (OpenRTE) 4.1.4")
     hydra = fake(tmp_path, "hydra-mpiexec", "HYDRA build details: Version: 4.0.2")
     assert mpi_engine.forwarded({"NBRPC_HOST", "IPP_CONNECTION_INFO"}, ompi) == [
         "-x", "IPP_CONNECTION_INFO", "-x", "NBRPC_HOST"]
     assert mpi_engine.forwarded({"NBRPC_HOST"}, hydra) == []  # Hydra forwards everything
     assert mpi_engine.forwarded({"NBRPC_HOST"}, str(tmp_path / "missing")) == []
+
+
+def test_only_open_mpi_4_is_told_to_carry_on_when_a_rank_dies(tmp_path: Path) -> None:
+    mpi_engine.version_text.cache_clear()
+    ompi4 = fake(tmp_path, "ompi4-mpiexec", "mpiexec (OpenRTE) 4.1.4")
+    ompi5 = fake(tmp_path, "ompi5-mpiexec", "mpiexec (Open MPI) 5.0.3")
+    hydra = fake(tmp_path, "hydra-mpiexec", "HYDRA build details: Version: 4.0.2")
+    assert mpi_engine.survive_args(ompi4) == ["--mca", "orte_abort_on_non_zero_status", "0"]
+    assert mpi_engine.survive_args(ompi5) == mpi_engine.survive_args(hydra) == []
 
 
 @pytest.mark.parametrize("env,expected", [

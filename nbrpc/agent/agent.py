@@ -144,7 +144,7 @@ class Agent:
         _check_options(opts)
         self._key = key
         self.info = WorkerInfo(name, rank)
-        self.io = IOLoop(key, rank, self._on_message, name=f"nbrpc-io[{name}]",
+        self.io = IOLoop(key, rank, self.dispatch, name=f"nbrpc-io[{name}]",
                          copy=parallel_copy, max_message_size=opts.max_message_size,
                          max_age=opts.max_message_age, encrypt=opts.encrypt,
                          ipc=opts.local_ipc)
@@ -310,7 +310,8 @@ class Agent:
         detector would (``dead``) or as a leave, e.g. because its process is
         known to have exited. Everyone is told; calls to it fail at once."""
         if self.control.coordinator is None:
-            raise RuntimeError(f"only the coordinator (rank 0) can expel a member, not {self.name!r}")
+            raise RuntimeError(
+                f"only the coordinator (rank 0) can expel a member, not {self.name!r}")
 
         control = self.control
 
@@ -364,9 +365,10 @@ class Agent:
         return self.members.gone_why(rank)
 
     # -- incoming messages: the agent's dispatch ----------------------------
-    def _on_message(self, env: Envelope) -> None:
-        """The I/O loop's callback (and a reading channel's): hand ``env`` to
-        the part that handles its kind (:attr:`routes`)."""
+    def dispatch(self, env: Envelope) -> None:
+        """The I/O loop's callback (and a reading channel's; the callee's, for
+        requests it held while joining): hand ``env`` to the part that handles
+        its kind (:attr:`routes`)."""
         if env.run != self.io.run and not self._before_run(env):
             return
         handler = self.routes.get(env.kind)
@@ -434,24 +436,9 @@ class Agent:
         return sum(self.callee.served_to.values())
 
     @property
-    def timeouts(self) -> int:
-        """Calls of this agent that timed out."""
-        return self.caller.timeouts
-
-    @property
     def late_replies(self) -> int:
         """Answers that came after their call timed out (or to no call), discarded."""
         return self.caller.late_replies
-
-    @property
-    def remote_errors(self) -> int:
-        """Calls of this agent answered with an error."""
-        return self.caller.remote_errors
-
-    @property
-    def channels_busy(self) -> int:
-        """Channel threads running a request now."""
-        return self.callee.channels_busy
 
     @property
     def readmitted(self) -> int:

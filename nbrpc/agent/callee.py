@@ -100,7 +100,7 @@ class Callee:
         the agent's dispatch again (they name members it now knows)."""
         early, self.early = self.early, []
         for held in early:
-            self.agent._on_message(held)
+            self.agent.dispatch(held)
 
     def unreadable(self, env: Envelope, why: str) -> None:
         """The transport could not read a signed request (``why``): answer it
@@ -111,7 +111,7 @@ class Callee:
         e = SerializationError(f"{self.name!r} could not read a request from "
                                f"{self.members.peer_name(env.sender)!r}: {why}")
         self.reply(env, dataclasses.replace(pack_error(e, self.name), unread=True), "?",
-                    time.perf_counter())
+                   time.perf_counter())
 
     def serve(self, env: Envelope) -> None:
         __tracebackhide__ = True  # (left out of the traceback sent back)
@@ -123,7 +123,7 @@ class Callee:
         except BaseException as e:  # the caller undoes what the message carried
             e = unread_error(e, self.name)
             self.reply(env, dataclasses.replace(pack_error(e, self.name), unread=True),
-                        op, started, wire.tag)
+                       op, started, wire.tag)
             return
         tag = wire.tag
         if wire.before is not None and threading.get_ident() != self.io.thread_ident:
@@ -189,7 +189,8 @@ class Callee:
         log.debug("the traceback", exc_info=e)
 
     def _reply_future(self, env: Envelope, f: torch.futures.Future, op: str, started: float,
-                      tag: Any = None, what: str = "", request: MessageContext | None = None) -> None:
+                      tag: Any = None, what: str = "",
+                      request: MessageContext | None = None) -> None:
         value, error = outcome(f)
         if error is not None:
             self.user_error(op, env.sender, error)
@@ -197,13 +198,14 @@ class Callee:
         self.reply(env, reply, op, started, tag, what, request)
 
     def reply(self, env: Envelope, reply: Any, op: str, started: float,
-               tag: Any = None, what: str = "", request: MessageContext | None = None) -> None:
+              tag: Any = None, what: str = "", request: MessageContext | None = None) -> None:
         peer = env.sender
         if request is not None and request.answering:  # what the answer leaves unsettled
             pending = request.pending_at_answer()
             if pending:
                 reply = dataclasses.replace(reply, pending=pending)
-        wire = MessageContext(self.agent, peer, tag)  # tensors in the reply are recorded under the tag
+        # tensors in the reply are recorded under the tag
+        wire = MessageContext(self.agent, peer, tag)
         try:
             payload, buffers = dumps(reply, wire)
         except SerializationError as e:

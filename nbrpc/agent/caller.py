@@ -255,7 +255,7 @@ class Caller:
             self.settle(p, error=e)
 
     def inject(self, fault: tuple[str, float], peer: int, kind: int, mid: int,
-                payload: bytes, buffers: list) -> int:
+               payload: bytes, buffers: list) -> int:
         """A test's fault: the message is lost, or sent late. A lost request is
         not counted as sent (the callee never counts it as served); a lost
         reply was served all the same, and the retry counts on both sides."""
@@ -295,8 +295,7 @@ class Caller:
         self.events.add("timeout", p.op, name, mid, 0, time.perf_counter() - p.started)
         self.settle(p, error=RpcTimeoutError(f"RPC {p.op!r}", timeout, worker=name))
 
-    def settle(self, p: Pending, value: Any = None, error: BaseException | None = None,
-                ) -> None:
+    def settle(self, p: Pending, value: Any = None, error: BaseException | None = None) -> None:
         """Complete a call's future. Its callbacks (``.then()``) run on the
         completing thread, and a callback may block (wait on another call, as
         PyTorch allows): a future that has callbacks is completed on a pool

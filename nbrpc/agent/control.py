@@ -39,6 +39,8 @@ from .messages import (
 
 log = logging.getLogger(__name__)
 
+JOIN_RETRY_MAX = 8.0  # seconds between a joiner's Joins, at most (see Control.retry_join)
+
 
 class Control:
     """Membership, heartbeats and failure detection (see the module docstring).
@@ -96,7 +98,8 @@ class Control:
             if msg.error:
                 self.join_error = msg.error
             else:
-                back = self.coordinator is None and self.agent.state == "ready" and 0 not in self.members
+                back = (self.coordinator is None and self.agent.state == "ready"
+                        and 0 not in self.members)
                 self.agent.set_members(msg.members)
                 if back:  # the coordinator it had given up on answered its Join
                     log.warning("nbrpc agent %r: back in the group (the coordinator answered)",
@@ -169,13 +172,13 @@ class Control:
 
     def retry_join(self, delay: float) -> None:
         """Joiner: send the Join again every ``delay`` seconds (doubling, up to
-        8 s) until the group answers it, so that one that was not answered (its
-        rank still held by this worker's previous process, a lost message)
-        does not wait for the join's timeout."""
+        ``JOIN_RETRY_MAX``) until the group answers it, so that a Join that
+        was not answered (its rank still held by this worker's previous
+        process, a lost message) does not wait for the join's timeout."""
         if self.agent.state != "joining" or self.joined.is_set():
             return
         self.send_all([(0, Join(self.me, self.world_size))])
-        self.io.call_later(delay, self.retry_join, min(2 * delay, 8.0))
+        self.io.call_later(delay, self.retry_join, min(2 * delay, JOIN_RETRY_MAX))
 
     def on_join(self, join: Join) -> None:
         m = join.member
@@ -197,15 +200,16 @@ class Control:
             out = [(r, msg) for r, msg in out if r != self.rank]
         if m.rank != self.rank and (refusal is None or holder is None):
             self.io.set_address(m.rank, m.address, m.local)
-        self.send_all(out)
-        if self.join_error and self.coordinator.everyone_told:
-            self.joined.set()  # (after the sends: init_rpc stops the agent on waking)
         if (self.world_size is None and m.rank != self.rank
                 and self.coordinator.members.get(m.rank) == m):
             # dynamic group: the coordinator is a member too (it calls the
-            # joiner, and heartbeats and watches it from now on)
+            # joiner, and heartbeats and watches it from now on), from before
+            # the joiner hears it is in
             self.agent.add_member(m)
             self.coordinator.heard_from(m.rank, time.monotonic())
+        self.send_all(out)
+        if self.join_error and self.coordinator.everyone_told:
+            self.joined.set()  # (after the sends: init_rpc stops the agent on waking)
 
     def send_all(self, outbox: list) -> None:
         for rank, msg in outbox:

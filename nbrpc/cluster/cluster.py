@@ -689,9 +689,9 @@ class Cluster:
             row.detail = f"{type(e).__name__}: {e}"
             silent = agent.silent_for(w.rank)
             if row.state == "busy" and silent is not None and silent > 2 * self.heartbeat + 1:
-                row.detail = (f"no heartbeat for {silent:.0f} s: its process is busy (a call "
-                              f"holding its GIL?) or stopped, its connection up; "
-                              + row.detail)
+                # what explains the unanswered probe (busy is not dead: still a member)
+                row.detail = (f"no heartbeat for {silent:.0f} s: busy in a call that holds "
+                              f"its GIL, or stopped (still connected)")
             return row
         row.state = "busy" if info["busy_threads"] or info["in_flight"] else "ready"
         fill_row(row, info)

@@ -84,17 +84,23 @@ def engine_argv(argv: list[str], environ: dict[str, str] | os._Environ = os.envi
 
 
 @functools.lru_cache(maxsize=8)
-def is_open_mpi(mpiexec: str) -> bool:
-    """Whether ``mpiexec`` is Open MPI's, which hands remote ranks only the
-    variables named with ``-x`` (MPICH's Hydra forwards the whole environment)."""
+def version_text(mpiexec: str) -> str:
+    """What ``mpiexec --version`` prints ("" if it cannot be run), asked once."""
     exe = shutil.which(mpiexec)
     if exe is None:
-        return False
+        return ""
     try:
         r = subprocess.run([exe, "--version"], capture_output=True, text=True, timeout=10)
     except (OSError, subprocess.TimeoutExpired):
-        return False
-    return "Open MPI" in r.stdout + r.stderr or "OpenRTE" in r.stdout + r.stderr
+        return ""
+    return r.stdout + r.stderr
+
+
+def is_open_mpi(mpiexec: str) -> bool:
+    """Whether ``mpiexec`` is Open MPI's, which hands remote ranks only the
+    variables named with ``-x`` (MPICH's Hydra forwards the whole environment)."""
+    text = version_text(mpiexec)
+    return "Open MPI" in text or "OpenRTE" in text
 
 
 def forwarded(names: list[str] | set[str], mpiexec: str) -> list[str]:
@@ -115,14 +121,7 @@ def survive_args(mpiexec: str) -> list[str]:
     >>> survive_args("no-such-mpiexec")
     []
     """
-    exe = shutil.which(mpiexec)
-    if exe is None or not is_open_mpi(mpiexec):
-        return []
-    try:
-        r = subprocess.run([exe, "--version"], capture_output=True, text=True, timeout=10)
-    except (OSError, subprocess.TimeoutExpired):
-        return []
-    if "OpenRTE" not in r.stdout + r.stderr:
+    if "OpenRTE" not in version_text(mpiexec):
         return []
     return ["--mca", "orte_abort_on_non_zero_status", "0"]
 

@@ -86,9 +86,7 @@ def make_progress(total: int, enabled: bool | None, title: str, cluster: Any = N
     shell = _shell()
     if shell is not None and type(shell).__name__ == "ZMQInteractiveShell":
         try:
-            if cluster is not None:
-                return views.make("progress", total, title=title, cluster=cluster)
-            return views.make("progress", total, title=title)
+            return views.make("progress", total, title=title, cluster=cluster)
         except (ImportError, LookupError) as e:  # no widget libraries: text will do
             log.debug("no progress widget: %s", e)
     if shell is not None or enabled:
