@@ -12,11 +12,10 @@ declared, up to ``max_message_size`` (4 GB by default), until the handshake
 timed out.
 
 What must hold: a 512 MB handshake frame grows the victim by less than
-64 MB, plain or encrypted, and so do 200 connections at once, each stopped
-just short of completing a frame of the largest size allowed; the victim
-still answers its own calls afterwards. (How many connections an attacker
-can hold open is bounded only by the victim's file-descriptor limit, each
-for at most ``zmqhub.HANDSHAKE_MS``.)
+64 MB, plain or encrypted, and so do 1,000 connections at once, each stopped
+just short of completing a frame of the largest size allowed: past
+``zmqhub.PENDING_MAX`` connections mid-handshake, each new one is cut and
+counted. The victim still answers its own calls afterwards.
 """
 
 from __future__ import annotations
@@ -33,9 +32,10 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import pytest
+import zmq
 from conftest import free_ports
 
-from nbrpc.transport import frames
+from nbrpc.transport import frames, zmqhub
 
 pytestmark = pytest.mark.security
 
@@ -48,7 +48,8 @@ VICTIM = textwrap.dedent("""
     me = debug.snapshot()["members"][0]["address"]
     print(json.dumps({"address": me}), flush=True)
     for line in sys.stdin:  # one call per line; EOF ends it
-        print(json.dumps({"answer": rpc.rpc_sync("victim", max, args=(1, 2))}), flush=True)
+        print(json.dumps({"answer": rpc.rpc_sync("victim", max, args=(1, 2)),
+                          "dropped": debug.snapshot()["counters"]["dropped"]}), flush=True)
     rpc.shutdown()
 """)
 
@@ -126,29 +127,77 @@ def test_a_large_handshake_frame_is_refused_unread(encrypt: bool) -> None:
 
 
 def test_many_connections_before_the_handshake_hold_little() -> None:
-    """200 connections, each stopped just short of completing a handshake frame
-    of the largest size a tcp:// socket takes (frames.CHUNK): what they make the
-    victim hold until its handshake timeout closes them."""
-    conns, size = 200, frames.CHUNK
+    """1,000 connections, each stopped just short of completing a handshake
+    frame of the largest size a tcp:// socket takes (frames.CHUNK): past
+    PENDING_MAX at once, the victim cuts each new one, so they make it hold
+    at most PENDING_MAX frames (without the cut: 245 MiB)."""
+    conns, size = 1000, frames.CHUNK
     with victim(False) as (proc, host, port):
         before = _rss_mib(proc.pid)
-        socks = []
+        socks, cut = [], 0
         try:
             for _ in range(conns):
                 s = socket.create_connection((host, port), timeout=5)
-                s.sendall(_greeting(b"PLAIN") + b"\x06" + size.to_bytes(8, "big")
-                          + bytes(size - 512))
                 socks.append(s)
+                try:
+                    s.sendall(_greeting(b"PLAIN") + b"\x06" + size.to_bytes(8, "big")
+                              + bytes(size - 512))
+                except OSError:  # cut by the victim already
+                    cut += 1
             grew = _rss_mib(proc.pid) - before
+            deadline = time.monotonic() + 3  # (every connection still open; the
+            while True:                      # victim's count may lag its accepts)
+                proc.stdin.write("call\n")
+                proc.stdin.flush()
+                answer = json.loads(proc.stdout.readline())
+                refused = answer["dropped"].get("refused connection", 0)
+                if refused >= conns - zmqhub.PENDING_MAX or time.monotonic() > deadline:
+                    break
+                time.sleep(0.1)  # (a poll's pace)
         finally:
             for s in socks:
                 s.close()
         print(f"\n{conns} connections, each {size >> 10} KiB into a handshake frame: the "
-              f"victim grew by {grew} MiB")
+              f"victim grew by {grew} MiB and cut {refused} of them")
         assert grew < 64, f"the victim grew by {grew} MiB before any handshake"
-        proc.stdin.write("call\n")
-        proc.stdin.flush()
-        assert '"answer": 2' in proc.stdout.readline()
+        assert answer["answer"] == 2
+        assert refused >= conns - zmqhub.PENDING_MAX, answer["dropped"]
+
+
+def test_a_flood_of_handshakes_leaves_members_in_and_lets_them_in_after() -> None:
+    """While PENDING_MAX connections hold an agent mid-handshake, a key
+    holder's new connection is cut (its DEALER dials again), and a member's
+    connection already in carries on; once the flood ends, the key holder
+    gets in."""
+    from conftest import intruder, local_group, poll_or_fail
+    from zmq.utils.monitor import recv_monitor_message
+
+    with local_group(["a", "b"], threads=2, local_ipc=False) as (a, b):
+        assert a.rpc_sync("b", max, (1, 2)) == 2  # a's connection to b is in
+        host, _, port = b.address.removeprefix("tcp://").rpartition(":")
+        pending = b.io._zmq._pending
+        flood = []
+        try:
+            for _ in range(zmqhub.PENDING_MAX):
+                s = socket.create_connection((host, int(port)), timeout=5)
+                s.sendall(_greeting(b"PLAIN"))
+                flood.append(s)
+            poll_or_fail(lambda: len(pending) == zmqhub.PENDING_MAX, 5, "the flood to be seen")
+            with intruder(b.address, b._key) as member:  # (a key holder's DEALER)
+                events = member.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
+                poll_or_fail(lambda: b.io.dropped["refused connection"] >= 2, 5,
+                             lambda: dict(b.io.dropped))  # cut, dialled again, cut
+                assert not events.poll(0), "a connection got in past the limit"
+                assert a.rpc_sync("b", max, (3, 4)) == 4
+                for s in flood:
+                    s.close()
+                assert events.poll(5000), "the key holder did not get in after the flood"
+                assert recv_monitor_message(events)["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED
+                member.disable_monitor()
+                events.close(linger=0)
+        finally:
+            for s in flood:
+                s.close()
 
 
 def _controller_ports(profile_dir: str) -> list[int]:

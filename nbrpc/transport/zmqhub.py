@@ -24,9 +24,16 @@ and messages with larger parts cross ``tcp://`` cut into parts
 straight into each frame's buffer). So a peer without the key makes an agent
 hold at most ``CHUNK`` bytes per connection, for at most ``HANDSHAKE_MS``
 (``tests/test_security_handshake.py``: a 512 MB handshake frame, plain or
-CURVE, grows the agent by nothing; 200 connections stopped just short of a
-full frame, by under 64 MB). How many such connections can be open at once
-is bounded only by the process's file-descriptor limit. A connected peer is
+CURVE, grows the agent by nothing). And at most ``PENDING_MAX`` connections
+are mid-handshake at once: the ROUTER's monitor reports each connection it
+accepts, with its fd, and one accepted while that many others may still be
+mid-handshake is cut at once (``shutdown(2)`` on the fd: libzmq sees the
+peer go, and closes it itself). libzmq reports a handshake's success without
+its fd, so :class:`PendingHandshakes` counts a success against the oldest
+connection still pending, and forgets a connection once it is older than
+``HANDSHAKE_MS``: by then it is in, or libzmq has closed it. So a peer without
+the key holds at most ``PENDING_MAX * CHUNK`` (16 MiB) of an agent, however
+many connections it opens. A connected peer is
 bounded too: a message's declared size is checked against the maximum
 message size before anything is allocated for it, and libzmq reads at most
 ``RCVHWM`` queued messages per peer.
@@ -48,8 +55,11 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
+import os
+import socket
 import sys
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
@@ -64,11 +74,13 @@ log = logging.getLogger(__name__)
 RCVHWM = 1000  # messages queued per sending peer before libzmq stops reading it
 LINGER_MS = 500  # how long a DEALER's close lets queued frames drain
 HANDSHAKE_MS = 5_000  # a connection not authenticated by then is closed
+PENDING_MAX = 64  # connections mid-handshake at once, at most (more are cut)
 WRAP_BYTES = 64  # what CURVE adds to a frame on the wire (33 bytes: nonce, MAC, command)
 TRIM_AFTER = 64 << 20  # bytes received in parts before the heap is trimmed
 TRIM_DELAY = 0.5  # seconds after that, and once the flow pauses
 _RECV_BATCH = 256  # messages read per wake-up before call_soon work is served again
 _LINK_EVENTS = zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED
+_ROUTER_EVENTS = zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED
 # plain ints: pyzmq's enum members cost an enum construction per ``&`` (~0.5 µs)
 _RCVMORE, _EVENTS, _POLLIN = int(zmq.RCVMORE), int(zmq.EVENTS), int(zmq.POLLIN)
 
@@ -99,6 +111,82 @@ REDIAL_MAX_MS = 2000
 # probed (TCP keepalive): a half-open connection from a host that vanished is
 # closed within seconds, not kept for ever.
 KEEPALIVE_IDLE_S, KEEPALIVE_INTVL_S, KEEPALIVE_CNT = 10, 2, 3
+
+
+class PendingHandshakes:
+    """Which of a ROUTER's accepted connections may still be mid-handshake,
+    from its monitor's events (pure state: no sockets, no clock of its own).
+
+    libzmq reports a connection accepted and one closed with its fd, but a
+    handshake's success with no fd. So a success is counted against the
+    oldest connection still pending (the count is right, the attribution
+    may not be), and a connection accepted more than ``window`` seconds ago
+    is pending no longer: by then libzmq has let it in or closed it.
+
+    >>> pending = PendingHandshakes(limit=2, window=5.0)
+    >>> pending.accepted(10, now=0.0), pending.accepted(11, now=0.1)
+    (True, True)
+    >>> pending.accepted(12, now=0.2)  # a third at once: cut it
+    False
+    >>> pending.succeeded(now=0.3); pending.accepted(12, now=0.4)
+    True
+    >>> pending.closed(11); len(pending)
+    1
+    >>> len(pending.expire(now=6.0))
+    0
+    """
+
+    def __init__(self, limit: int = PENDING_MAX, window: float = HANDSHAKE_MS / 1000 + 1) -> None:
+        self.limit, self.window = limit, window
+        self._open: OrderedDict[int, float] = OrderedDict()  # fd -> when accepted, oldest first
+
+    def __len__(self) -> int:
+        return len(self._open)
+
+    def expire(self, now: float) -> PendingHandshakes:
+        """Forget connections accepted more than ``window`` ago."""
+        while self._open and next(iter(self._open.values())) <= now - self.window:
+            self._open.popitem(last=False)
+        return self
+
+    def accepted(self, fd: int, now: float) -> bool:
+        """Connection ``fd`` was accepted: False when ``limit`` others may
+        still be mid-handshake (then cut it; it is not counted)."""
+        self.expire(now)
+        self._open.pop(fd, None)  # (a number reused after a close we missed)
+        if len(self._open) >= self.limit:
+            return False
+        self._open[fd] = now
+        return True
+
+    def succeeded(self, now: float) -> None:
+        """A handshake succeeded, on some connection."""
+        if self.expire(now)._open:
+            self._open.popitem(last=False)
+
+    def closed(self, fd: int) -> None:
+        self._open.pop(fd, None)
+
+
+def cut_connection(fd: int, port: int) -> str | None:
+    """Shut down the TCP connection libzmq holds as ``fd`` (without closing
+    the fd, which is libzmq's: libzmq sees the peer go and closes it), if it
+    is still a connection accepted on ``port``. Returns the peer's address,
+    or None when ``fd`` is no longer such a connection."""
+    try:
+        sock = socket.socket(fileno=os.dup(fd))
+    except OSError:  # closed already (EBADF), or no longer a socket
+        return None
+    with sock:
+        try:
+            if sock.type != socket.SOCK_STREAM or sock.family not in (
+                    socket.AF_INET, socket.AF_INET6) or sock.getsockname()[1] != port:
+                return None
+            peer = sock.getpeername()
+            sock.shutdown(socket.SHUT_RDWR)
+        except OSError:  # gone meanwhile
+            return None
+    return f"{peer[0]}:{peer[1]}"
 
 
 class ZmqHub:
@@ -142,7 +230,14 @@ class ZmqHub:
             self._zap.bind("inproc://zeromq.zap.01")
             router.setsockopt(zmq.PLAIN_SERVER, 1)
             router.setsockopt(zmq.ZAP_DOMAIN, b"nbrpc")
-        self.refused = 0  # handshakes refused: no key
+        self.refused = 0  # connections refused: no key, or too many mid-handshake
+        # Every connection the ROUTER accepts, closes or lets in, for
+        # PendingHandshakes (RCVHWM 0: an event missed would go uncounted).
+        self._pending, self._port = PendingHandshakes(), 0
+        self._router_events = self.ctx.socket(zmq.PAIR)
+        self._router_events.setsockopt(zmq.RCVHWM, 0)
+        router.monitor("inproc://nbrpc.router-events", _ROUTER_EVENTS)
+        self._router_events.connect("inproc://nbrpc.router-events")
         self.handlers: dict[Any, Callable[[], None]] = {}
         self._monitors: dict[zmq.Socket, tuple[int, Any]] = {}  # monitor -> (peer, dealer)
         self._poller: zmq.Poller | None = None
@@ -160,11 +255,15 @@ class ZmqHub:
                 f"nbrpc could not bind {where}: {e}. Choose another port, or stop the "
                 "process that holds it."
             ) from e
-        return self.router.getsockopt_string(zmq.LAST_ENDPOINT)
+        bound = self.router.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._port = int(bound.rpartition(":")[2])
+        return bound
 
     def start(self, poller: zmq.Poller) -> None:
         self._poller = poller
         poller.register(self.router, zmq.POLLIN)
+        poller.register(self._router_events, zmq.POLLIN)
+        self.handlers[self._router_events] = self._on_router_events
         if self._zap is not None:
             poller.register(self._zap, zmq.POLLIN)
             self.handlers[self._zap] = self._authenticate
@@ -246,6 +345,33 @@ class ZmqHub:
             return
         self._trim_due, self._untrimmed = False, 0
         trim_heap()
+
+    def _on_router_events(self) -> None:
+        """Count the connections mid-handshake (:class:`PendingHandshakes`),
+        and cut each one accepted while ``PENDING_MAX`` others may be."""
+        pending, cut = self._pending, []
+        for _ in range(4096):
+            try:
+                event = recv_monitor_message(self._router_events, zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            kind, fd, now = event["event"], event["value"], time.monotonic()
+            if kind == zmq.EVENT_ACCEPTED:
+                if not pending.accepted(fd, now):
+                    cut.append(fd)
+            elif kind == zmq.EVENT_DISCONNECTED:
+                pending.closed(fd)
+                if fd in cut:  # (gone already: its number may be anyone's next)
+                    cut.remove(fd)
+            elif kind == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                pending.succeeded(now)
+        for fd in cut:  # every event read first: none of these has closed since
+            peer = cut_connection(fd, self._port)
+            if peer is not None:
+                self.refused += 1
+                self._note_drop("refused connection",
+                                f"a connection from {peer} while {len(pending)} others "
+                                f"were mid-handshake (at most {pending.limit})")
 
     def _authenticate(self) -> None:
         """Answer ZAP requests (RFC 27): a connection is let in only with the
@@ -329,6 +455,7 @@ class ZmqHub:
             close_monitor(dealer)
         self._monitors.clear()
         self.router.close(linger=0)
+        self._router_events.close(linger=0)
         if self._zap is not None:
             self._zap.close(linger=0)
         self.ctx.term()
