@@ -33,7 +33,7 @@ from contextlib import contextmanager
 
 import pytest
 import zmq
-from conftest import free_ports
+from conftest import free_ports, local_user
 
 from nbrpc.transport import frames, zmqhub
 
@@ -221,15 +221,50 @@ def _tree_rss_mib(pid: int) -> int:
 
 
 @pytest.mark.cluster
-def test_the_cluster_controller_refuses_a_large_frame_unread() -> None:
+def test_a_local_clusters_controller_listens_only_where_no_other_user_reaches() -> None:
+    """On one host the controller binds no TCP port: its channels are Unix
+    sockets in the cluster's private profile (0700), so another local user
+    cannot connect to it at all, whatever they would send."""
+    import psutil
+
+    from nbrpc import rpc
+    from nbrpc.cluster import Cluster
+
+    uid, gid = local_user("nbrpc-attacker")
+    with Cluster(progress=False).start(1) as cluster:
+        controller = psutil.Process(cluster._controller_proc.pid)
+        tree = [controller, *controller.children(recursive=True)]
+        assert not [c.laddr for p in tree for c in p.net_connections("inet")
+                    if c.status == psutil.CONN_LISTEN], "the controller listens on TCP"
+        with open(glob.glob(os.path.join(cluster._profile_dir, "security",
+                                         "ipcontroller-*engine.json"))[0]) as f:
+            interface = json.load(f)["interface"]
+        assert interface.startswith(f"ipc://{cluster._profile_dir}/"), interface
+        assert os.stat(cluster._profile_dir).st_mode & 0o777 == 0o700
+        path = interface.removeprefix("ipc://") + f":{_controller_ports(cluster._profile_dir)[0]}"
+        assert os.path.exists(path)
+        probe = ("import socket, sys\ns = socket.socket(socket.AF_UNIX)\n"
+                 "try:\n    s.connect(sys.argv[1])\nexcept OSError as e:\n"
+                 "    print(type(e).__name__)\nelse:\n    print('connected')")
+        out = subprocess.run(["setpriv", f"--reuid={uid}", f"--regid={gid}", "--clear-groups",
+                              sys.executable, "-c", probe, path],
+                             capture_output=True, text=True, timeout=30)
+        assert out.stdout.strip() == "PermissionError", (out.stdout, out.stderr)
+        assert rpc.rpc_sync("worker1", max, args=(1, 2)) == 2
+        assert cluster.view("worker1").apply_sync(max, 3, 4) == 4
+
+
+@pytest.mark.cluster
+def test_a_tcp_controller_refuses_a_large_frame_unread() -> None:
     """ipyparallel's controller speaks no authenticated handshake: whatever a
-    frame declares, it would hold. A Cluster caps its frames (64 MiB,
+    frame declares, it would hold. Where it listens on TCP (engines on other
+    hosts; here, ``controller_ip`` given), a Cluster caps its frames (64 MiB,
     ``controller_max_message``), so a 512 MB frame streamed to each of its
     ports is refused before it is allocated, and the cluster carries on."""
     from nbrpc import rpc
     from nbrpc.cluster import Cluster
 
-    with Cluster(progress=False).start(1) as cluster:
+    with Cluster(progress=False, controller_ip="127.0.0.1").start(1) as cluster:
         ports = _controller_ports(cluster._profile_dir)
         assert len(ports) >= 8, ports
         pid = cluster._controller_proc.pid

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import os
 import shutil
 import sys
 import tempfile
@@ -76,7 +77,9 @@ class Cluster:
     ... or a class), configured with ``launcher_options`` (its traits, e.g.
     ``{"engines": {"host1": 2}}`` for ssh). ``host`` is the interface the
     driver's agent listens on (loopback for local launchers, else the address
-    that routes to the engines); ``controller_ip`` the controller's.
+    that routes to the engines); ``controller_ip`` the controller's (by
+    default ``host``; with local launchers none: the controller then listens
+    on Unix sockets in the private profile, unreachable by other users).
     ``failure_timeout``: seconds a worker may stay silent with its connection
     up (busy in C code holding the GIL, stopped) before it is declared dead;
     by default (None) each agent's own: never on Linux, where a worker whose
@@ -267,6 +270,12 @@ class Cluster:
         controller_args = [f"--HeartMonitor.period={period_ms}",
                            "--HeartMonitor.max_heartmonitor_misses=4",
                            "--IPController.use_threads=True"]
+        # One host: the controller listens on Unix sockets in the private
+        # (0700) profile, which no other user can reach.
+        ipc = self._own_profile and self._local and not self.controller_ip
+        if ipc:
+            controller_args += ["--IPController.transport=ipc",
+                                f"--IPController.ip={os.path.join(self._profile_dir, 'c')}"]
         kwargs: dict[str, Any] = dict(
             engines=engines, profile_dir=self._profile_dir, delay=0, log=log,
             controller_args=controller_args, engine_timeout=int(self.timeout))
@@ -281,6 +290,8 @@ class Cluster:
         env = {guard.MAX_MESSAGE_ENV: str(self.controller_max_message)}
         if self._own_profile:
             env[guard.CLEANUP_ENV] = self._profile_dir
+        if ipc:
+            env[guard.IPC_ENV] = "1"
         self._loop.run(self._ipp.start_controller, timeout=self.timeout, environment=env)
         self._controller_proc = getattr(self._ipp.controller, "process", None)
         progress.update(0, "controller started")

@@ -26,6 +26,8 @@ log = logging.getLogger("nbrpc.cluster.guard")
 CLEANUP_ENV = "NBRPC_GUARD_CLEANUP"
 # The largest frame (bytes) a ZeroMQ socket of the guarded process accepts.
 MAX_MESSAGE_ENV = "NBRPC_ZMQ_MAX_MESSAGE"
+# Set: the guarded ipyparallel controller binds ipc:// where its peers connect.
+IPC_ENV = "NBRPC_IPP_IPC"
 
 _LOADER = ("import runpy, sys; runpy.run_path(sys.argv[1], run_name='__nbrpc_guard__')"
            "['main'](sys.argv[2:])")
@@ -99,6 +101,27 @@ def cap_zmq_messages(limit: int) -> None:
     zmq.Context.__init__ = capped_init  # type: ignore[method-assign]
 
 
+def bind_ipc_where_peers_connect() -> None:
+    """ipyparallel's controller binds an ``ipc://`` channel at
+    ``<ip>-<port>``, while its engines and clients connect to
+    ``<ip>:<port>`` (ipyparallel 9: ``IPController.construct_url`` against
+    ``EngineApp`` and ``Client``), so over ipc nobody reaches it. Make the
+    controller bind where they connect (a ``:`` is an ordinary character
+    in a socket's path)."""
+    from ipyparallel.controller.app import IPController
+
+    construct_url = IPController.construct_url
+
+    def colon_url(self: IPController, kind: str, channel: str, index: object = None) -> str:
+        url = construct_url(self, kind, channel, index)
+        if url.startswith("ipc://"):
+            path, _, port = url.rpartition("-")
+            url = f"{path}:{port}"
+        return url
+
+    IPController.construct_url = colon_url  # type: ignore[method-assign]
+
+
 def _watch_in_forked_child() -> None:
     os.environ.pop(CLEANUP_ENV, None)  # the root of the tree cleans up, once
     watch_parent(os.getppid())
@@ -116,5 +139,7 @@ def main(argv: list[str]) -> None:
     limit = os.environ.get(MAX_MESSAGE_ENV, "")
     if limit.isdigit():
         cap_zmq_messages(int(limit))
+    if os.environ.get(IPC_ENV):
+        bind_ipc_where_peers_connect()
     sys.argv = [argv[1], *argv[2:]]
     runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
