@@ -555,6 +555,23 @@ DRIVER_THEN_SLEEP = """
 """
 
 
+def test_a_controller_whose_socket_paths_would_not_fit_listens_on_loopback(
+        own_cluster: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A local cluster's controller listens on Unix sockets in its profile
+    (test_security_handshake); where ``<profile>/c:<port>`` is too long for
+    a socket's path, on loopback TCP instead, and the cluster works."""
+    import tempfile
+
+    deep = tmp_path / ("d" * max(1, 100 - len(str(tmp_path))))
+    deep.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(deep))  # where the profile is made
+    with Cluster(progress=False).start(1) as cluster:
+        assert cluster._profile_dir.startswith(str(deep))
+        with open(next(Path(cluster._profile_dir, "security").glob("*engine.json"))) as f:
+            assert json.load(f)["interface"] == "tcp://127.0.0.1"
+        assert rpc.rpc_sync("worker1", max, args=(1, 2)) == 2
+
+
 def test_hard_killed_driver_leaves_no_orphans(tmp_path: Path) -> None:
     script = _Script(tmp_path, DRIVER_THEN_SLEEP)
     procs: list[psutil.Process] = []

@@ -47,6 +47,7 @@ log = logging.getLogger(__name__)
 _LOCAL_LAUNCHERS = ("fork", "local")
 STOP_AGENT_TIMEOUT = 5.0  # seconds for an engine to stop its agent (mpi: see _take_down)
 STATUS_QUEUE_PERIOD = 2.0  # seconds between squeue runs for status() (a live view: 2 Hz)
+UNIX_PATH_MAX = 108  # bytes in a Unix socket's path, with its terminating NUL (Linux)
 # the largest frame the ipyparallel controller accepts (see guard.cap_zmq_messages)
 CONTROLLER_MAX_MESSAGE = 64 << 20
 
@@ -271,11 +272,13 @@ class Cluster:
                            "--HeartMonitor.max_heartmonitor_misses=4",
                            "--IPController.use_threads=True"]
         # One host: the controller listens on Unix sockets in the private
-        # (0700) profile, which no other user can reach.
-        ipc = self._own_profile and self._local and not self.controller_ip
+        # (0700) profile, which no other user can reach (where their paths,
+        # ``<profile>/c:<port>``, fit a socket address; else on loopback TCP).
+        sockets = os.path.join(self._profile_dir, "c")
+        ipc = (self._own_profile and self._local and not self.controller_ip
+               and len(os.fsencode(sockets)) + len(":65535") < UNIX_PATH_MAX)
         if ipc:
-            controller_args += ["--IPController.transport=ipc",
-                                f"--IPController.ip={os.path.join(self._profile_dir, 'c')}"]
+            controller_args += ["--IPController.transport=ipc", f"--IPController.ip={sockets}"]
         kwargs: dict[str, Any] = dict(
             engines=engines, profile_dir=self._profile_dir, delay=0, log=log,
             controller_args=controller_args, engine_timeout=int(self.timeout))
