@@ -148,3 +148,26 @@ def test_a_wide_matrix_keeps_its_column_names_apart() -> None:
     heads = re.findall(r'text-anchor="middle">([^<]*)<title>([^<]*)</title>', svg)
     assert [full for _, full in heads] == names
     assert len({shown for shown, _ in heads}) == 16, heads  # cut in the middle, not the end
+
+
+@pytest.mark.parametrize("workers", [3, 10, 16, 33])
+def test_the_map_fits_a_notebook_column_up_to_thirty_three_workers(workers: int) -> None:
+    """Side by side while bars and matrix fit 900 px together; else the
+    matrix goes under the bars, its rows as clickable as theirs."""
+    import re
+
+    from nbrpc.jupyter.owner_map_view import PAGE_W, owner_map_svg
+
+    omap = synthetic(workers, 20 * workers, seed=4)
+    svg = owner_map_svg(omap)
+    width = float(re.match(r'<svg [^>]*width="([\d.]+)"', svg).group(1))
+    assert width <= PAGE_W, f"{workers} workers: {width} px"
+    heading = re.search(r'<text x="(\d+)" y="(\d+)" font-weight="bold">values held', svg)
+    stacked = int(heading.group(2)) > 14
+    assert stacked == (workers > 10), heading.group(0)
+    cells = re.findall(r'<g class="nbrpc-owner-cells" data-key="worker:([^"]+)"', svg)
+    assert cells == (list(omap) if stacked else [])
+    heads = re.findall(r'text-anchor="middle">([^<]*)<title>([^<]*)</title>', svg)
+    shown = [s for s, full in heads if full != "driver"]
+    assert all(s.startswith("worker") for s in shown) or all(
+        re.fullmatch(r"w\d+", s) for s in shown), shown  # one form, not worker9 then w10

@@ -3,7 +3,8 @@
 Left, one horizontal bar per worker: the bytes of the values it owns,
 split by holder (a value held by k workers gives each an equal share, so the
 bar's length is the bytes owned; values no user holds are "owner only").
-Right, a worker × worker matrix: owner rows, holder columns, each cell the
+Right (under the bars, where both would not fit a notebook's column), a
+worker × worker matrix: owner rows, holder columns, each cell the
 number of values and their bytes that the holder has a fork of. Clicking a
 worker's row lists its values in the side panel. :func:`plot_owner_map`
 draws the bars with matplotlib for static images.
@@ -40,6 +41,7 @@ OWNER_ONLY_COLOUR = "#d0d0d0"
 # theme's text colour (its count) still reads at 4.5:1 in both themes
 CELL_COLOUR, CELL_SHADE = "#0072B2", (0.08, 0.55)
 CHAR_W, BOLD_W = 6.6, 7.4  # px a character of 11 px sans-serif takes at most (bold)
+PAGE_W = 900  # px of a notebook's output column, which the map fits where it can
 
 
 def holders_of(omap: dict[str, list[dict[str, Any]]]) -> list[str]:
@@ -107,7 +109,11 @@ def column_label(name: str, width: int) -> str:
 
 
 def owner_map_svg(omap: dict[str, list[dict[str, Any]]], max_workers: int = MAX_WORKERS) -> str:
-    """The bars (bytes owned, by holder) and the owner × holder matrix as one SVG."""
+    """The bars (bytes owned, by holder) and the owner × holder matrix as one
+    SVG: side by side where both fit a notebook's column (``PAGE_W``), else
+    the matrix under the bars, its columns narrowed to fit (down to 22 px,
+    where names give way to their numbers: ``worker17`` -> ``w17``, the full
+    name on hover)."""
     owners = list(omap)[:max_workers]
     holders = holders_of(omap)[:max_workers]
     colours = {h: PALETTE[i % len(PALETTE)] for i, h in enumerate(holders)}
@@ -115,23 +121,30 @@ def owner_map_svg(omap: dict[str, list[dict[str, Any]]], max_workers: int = MAX_
     shares, cells = split_bytes(omap), matrix(omap)
     biggest = max([sum(s.values()) for s in shares.values()] + [1])
     name_w, bar_w, row, top = 90, 260, 22, 46
-    # columns: 44 px up to 14 holders, narrower (down to 30 px) for more, where
-    # names give way to their numbers (``worker17`` -> ``w17``; the full name on hover)
-    cell_w = max(30 if len(holders) > 14 else 44, min(80, 640 // max(1, len(holders))))
-    mx = name_w + bar_w + 100
     heading = "values held (owner row → holder column)"
-    width = mx + max(cell_w * len(holders), BOLD_W * len(heading)) + 10
-    height = top + row * len(owners) + 40
+    n = max(1, len(holders))
+    side = name_w + bar_w + 100 + 44 * n + 10 <= PAGE_W
+    if side:  # the matrix right of the bars
+        mx, my, cell_w = name_w + bar_w + 100, top, min(80, max(44, 440 // n))
+    else:  # under them, as wide as the column allows
+        mx, my = name_w, top + row * len(owners) + 24 + top
+        cell_w = max(22, min(80, (PAGE_W - name_w - 10) // n))
+    width = max(name_w + bar_w + 100, mx + max(cell_w * len(holders), BOLD_W * len(heading)) + 10)
+    height = my + row * len(owners) + 40
     parts = [f'<text x="{name_w}" y="14" font-weight="bold">bytes owned, by holder</text>',
-             f'<text x="{mx}" y="14" font-weight="bold">{esc(heading)}</text>']
+             f'<text x="{mx}" y="{my - top + 14}" font-weight="bold">{esc(heading)}</text>']
+    chars = max(3, int((cell_w - 2) / CHAR_W))
+    numbered = [bool(re.fullmatch(r"\D+\d+", h)) for h in holders]
+    short = any(len(h) > chars for h, num in zip(holders, numbered) if num)
     for j, h in enumerate(holders):
         cx = mx + j * cell_w + cell_w / 2
-        shown = column_label(h, max(3, int((cell_w - 4) / CHAR_W)))
-        parts.append(f'<text x="{cx:.0f}" y="{top - 8}" text-anchor="middle">'
+        # one form for all numbered names: w9, w10, not worker9, w10
+        shown = column_label(h, min(chars, len(h) - 1) if short and numbered[j] else chars)
+        parts.append(f'<text x="{cx:.0f}" y="{my - 8}" text-anchor="middle">'
                      f"{esc(shown)}<title>{esc(h)}</title></text>")
     biggest_cell = max([b for _, b in cells.values()] + [1])
     for i, owner in enumerate(owners):
-        y = top + i * row
+        y, ym = top + i * row, my + i * row
         rows = omap[owner]
         size = sum(r["nbytes"] or 0 for r in rows)
         segs, x = [], float(name_w)
@@ -145,27 +158,32 @@ def owner_map_svg(omap: dict[str, list[dict[str, Any]]], max_workers: int = MAX_
                         f"{fmt_bytes(b)} held by {esc(h)}</title></rect>")
             x += w
         stripe = STRIPE if i % 2 == 0 else 'fill="transparent"'  # (a click target too)
+        mark = (f'data-key="worker:{esc(owner)}" data-f="worker" '
+                f'data-f-worker="{esc(owner)}"')
+        label = f'font-weight="bold">{esc(clip(owner, 12))}</text>'
         parts.append(
-            f'<g class="nbrpc-owner" data-key="worker:{esc(owner)}" data-f="worker" '
-            f'data-f-worker="{esc(owner)}"><rect x="0" y="{y}" width="{width:.0f}" '
-            f'height="{row}" {stripe}/>'
-            f'<text x="4" y="{y + 15}" font-weight="bold">{esc(clip(owner, 12))}</text>'
+            f'<g class="nbrpc-owner" {mark}><rect x="0" y="{y}" width="{width:.0f}" '
+            f'height="{row}" {stripe}/><text x="4" y="{y + 15}" {label}'
             f'{"".join(segs)}<text x="{x + 4:.0f}" y="{y + 15}" {MUTED}>'
             f"{len(rows)} · {fmt_bytes(size)}</text>")
+        if not side:  # the matrix's own row, with the owner's name again
+            parts.append(f'</g><g class="nbrpc-owner-cells" {mark}><rect x="0" y="{ym}" '
+                         f'width="{width:.0f}" height="{row}" {stripe}/>'
+                         f'<text x="4" y="{ym + 15}" {label}')
         for j, h in enumerate(holders):
-            n, b = cells.get((owner, h), (0, 0))
+            n_held, b = cells.get((owner, h), (0, 0))
             cx = mx + j * cell_w
             lo, hi = CELL_SHADE
-            shade = lo + (hi - lo) * (b / biggest_cell) if n else 0.0
+            shade = lo + (hi - lo) * (b / biggest_cell) if n_held else 0.0
             parts.append(
-                f'<rect x="{cx + 1}" y="{y + 1}" width="{cell_w - 2}" height="{row - 2}" '
+                f'<rect x="{cx + 1}" y="{ym + 1}" width="{cell_w - 2}" height="{row - 2}" '
                 f'fill="{CELL_COLOUR}" fill-opacity="{shade:.2f}" {RULE}><title>{esc(h)} holds '
-                f"{debug.plural(n, 'value')} of {esc(owner)}: {fmt_bytes(b)}</title></rect>"
-                + (f'<text x="{cx + cell_w / 2:.0f}" y="{y + 15}" text-anchor="middle">{n}'
-                   "</text>" if n else ""))
+                f"{debug.plural(n_held, 'value')} of {esc(owner)}: {fmt_bytes(b)}</title></rect>"
+                + (f'<text x="{cx + cell_w / 2:.0f}" y="{ym + 15}" text-anchor="middle">'
+                   f"{n_held}</text>" if n_held else ""))
         parts.append("</g>")
     more = len(omap) - len(owners)
-    y = top + row * len(owners) + 16
+    y = my + row * len(owners) + 16
     legend, lx = [], float(name_w)
     for h in [*holders[:10], OWNER_ONLY]:
         legend.append(f'<rect x="{lx:.0f}" y="{y - 9}" width="10" height="10" '
