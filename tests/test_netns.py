@@ -8,8 +8,8 @@ filesystem, hostname and /dev/shm, but not its network: each sees only its own
 bridge, as on a LAN.
 
 Each test runs a driver script in ``h1`` (``ip netns exec h1 python -c ...``)
-that starts an ``nbrpc.Cluster`` with the controller and the driver's agent
-listening on h1's address (``controller_ip``, ``host``) and worker1's engine
+that starts an ``nbrpc.Cluster`` with the controller's relay and the driver's
+agent listening on h1's address (``controller_ip``, ``host``) and worker1's engine
 placed in ``h2``, worker2's in ``h3`` by an ipyparallel launcher:
 
 * ``launcher="local"`` whose ``engine_cmd`` (from ``launcher_options``) is a
@@ -285,6 +285,7 @@ try:
     with open(os.path.join(sec, next(f for f in os.listdir(sec)
                                      if f.endswith("-engine.json")))) as f:
         out["controller"] = json.load(f)["interface"]
+    out["relay"] = cluster._relay
     out["workers"] = {w: rpc.rpc_sync(w, where) for w in ("worker1", "worker2")}
     out["peer_call"] = rpc.rpc_sync("worker1", call_peer, args=("worker2",))
     rref = rpc.remote("worker2", make_value, args=(1000,))
@@ -378,8 +379,10 @@ def _text(b: bytes | str | None) -> str:
 def check(net: Net, out: dict) -> None:
     h1 = net.addr("h1")
 
-    # the controller and the driver listen on h1's routable address
-    assert out["controller"] == f"tcp://{h1}", out["controller"]
+    # the controller's relay and the driver listen on h1's routable address; the
+    # controller itself on Unix sockets in its private profile, relayed to the engines
+    assert out["controller"].startswith("ipc://"), out["controller"]
+    assert out["relay"].startswith(f"{h1}:"), out["relay"]
     assert out["driver"]["netns"] == net.inode("h1")
     assert out["driver"]["address"].startswith(f"tcp://{h1}:"), out["driver"]
 

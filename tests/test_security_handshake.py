@@ -33,7 +33,7 @@ from contextlib import contextmanager
 
 import pytest
 import zmq
-from conftest import free_ports, local_user
+from conftest import free_ports, local_user, poll_for
 
 from nbrpc.transport import frames, zmqhub
 
@@ -255,16 +255,79 @@ def test_a_local_clusters_controller_listens_only_where_no_other_user_reaches() 
 
 
 @pytest.mark.cluster
-def test_a_tcp_controller_refuses_a_large_frame_unread() -> None:
+def test_engines_elsewhere_reach_the_controller_only_through_its_relay() -> None:
+    """With engines on other hosts (here ``launcher="local"`` with
+    ``controller_ip``, run through their relay as remote engines are), the
+    controller still binds no TCP port: its one TCP port is the relay's, which
+    reads a HELLO of 34 bytes before anything reaches the controller. A 512 MB
+    stream to it and 1,000 connections that never say HELLO grow the
+    controller's process tree by less than 64 MiB, and the cluster carries on."""
+    import psutil
+
+    from nbrpc import rpc
+    from nbrpc.cluster import Cluster
+    from nbrpc.cluster.relay import MAX_WAITING
+
+    with Cluster(progress=False, launcher="local", controller_ip="127.0.0.1").start(1) as cluster:
+        pid = cluster._controller_proc.pid
+        root = psutil.Process(pid)
+        listening = {c.laddr.port for p in [root, *root.children(recursive=True)]
+                     for c in p.net_connections("inet") if c.status == psutil.CONN_LISTEN}
+        host, port = cluster._relay.rsplit(":", 1)
+        assert listening == {int(port)}, (listening, cluster._relay)
+        before = _tree_rss_mib(pid)
+        t = time.perf_counter()
+        with _stream(host, int(port), b"NULL", declared=512 << 20, send=512 << 20) as took:
+            pass
+        socks, cut = [], 0
+        try:
+            for _ in range(1000):
+                s = socket.create_connection((host, int(port)), timeout=5)
+                socks.append(s)
+                try:
+                    s.sendall(bytes(20))  # (short of a HELLO)
+                except OSError:
+                    cut += 1
+            grew = _tree_rss_mib(pid) - before
+            open_ = lambda: sum(1 for s in socks if not _closed_within(s, 0.0))  # noqa: E731
+            poll_for(lambda: open_() <= MAX_WAITING, 5)  # (the relay closes them as it reads)
+            waiting = open_()
+        finally:
+            for s in socks:
+                s.close()
+        print(f"\nthe controller's relay: a 512 MB stream (it took {took >> 20} MB) and 1,000 "
+              f"connections without a HELLO ({waiting} left open) in "
+              f"{time.perf_counter() - t:.2f} s grew the controller by {grew} MiB")
+        assert grew < 64, f"the controller grew by {grew} MiB"
+        assert waiting <= MAX_WAITING
+        assert rpc.rpc_sync("worker1", max, args=(1, 2)) == 2
+        assert cluster.view("worker1").apply_sync(max, 3, 4) == 4  # ipyparallel still works
+
+
+def _closed_within(s: socket.socket, timeout: float) -> bool:
+    """Whether the other end has closed ``s`` (EOF or reset) within ``timeout`` s."""
+    s.settimeout(timeout)
+    try:
+        return s.recv(1) == b""
+    except (BlockingIOError, TimeoutError):
+        return False
+    except OSError:
+        return True
+
+
+@pytest.mark.cluster
+def test_a_tcp_controller_refuses_a_large_frame_unread(tmp_path) -> None:
     """ipyparallel's controller speaks no authenticated handshake: whatever a
-    frame declares, it would hold. Where it listens on TCP (engines on other
-    hosts; here, ``controller_ip`` given), a Cluster caps its frames (64 MiB,
-    ``controller_max_message``), so a 512 MB frame streamed to each of its
-    ports is refused before it is allocated, and the cluster carries on."""
+    frame declares, it would hold. Where it listens on TCP (a profile
+    directory of the user's own, whose safety nbrpc cannot vouch for), a
+    Cluster caps its frames (64 MiB, ``controller_max_message``), so a 512 MB
+    frame streamed to each of its ports is refused before it is allocated,
+    and the cluster carries on."""
     from nbrpc import rpc
     from nbrpc.cluster import Cluster
 
-    with Cluster(progress=False, controller_ip="127.0.0.1").start(1) as cluster:
+    with Cluster(progress=False, controller_ip="127.0.0.1",
+                 profile_dir=str(tmp_path)).start(1) as cluster:
         ports = _controller_ports(cluster._profile_dir)
         assert len(ports) >= 8, ports
         pid = cluster._controller_proc.pid

@@ -37,7 +37,7 @@ from ..agent.agent import _Default
 from ..errors import AlreadyInitializedError, NbrpcError
 from ..transport import local, new_key
 from . import engine as engine_side
-from . import guard, jobs
+from . import guard, jobs, relay
 from .ipp import ClusterError, LoopThread, host_for_rank, kill_family, routable_ip
 from .progress import Progress, make_progress
 from .status import ClusterStatus, WorkerStatus, fill_row
@@ -152,6 +152,7 @@ class Cluster:
         self.progress = progress
         self._profile_dir = profile_dir
         self._own_profile = False
+        self._relay: str | None = None  # HOST:PORT of the controller's relay, if any
         self.workers: dict[str, _Worker] = {}
         self.agent: Agent | None = None
         self.client: Any = None
@@ -271,12 +272,16 @@ class Cluster:
         controller_args = [f"--HeartMonitor.period={period_ms}",
                            "--HeartMonitor.max_heartmonitor_misses=4",
                            "--IPController.use_threads=True"]
-        # One host: the controller listens on Unix sockets in the private
-        # (0700) profile, which no other user can reach (where their paths,
-        # ``<profile>/c:<port>``, fit a socket address; else on loopback TCP).
+        # The controller listens on Unix sockets in the private (0700)
+        # profile, which no other user can reach; engines on other hosts
+        # reach them through the relay (relay.py), whose one TCP port lets
+        # only key holders through. (Where the sockets' paths,
+        # ``<profile>/c:<port>``, do not fit a socket address, or the profile
+        # is the user's own, it listens on TCP, with its frames capped.)
         sockets = os.path.join(self._profile_dir, "c")
-        ipc = (self._own_profile and self._local and not self.controller_ip
+        ipc = (self._own_profile
                and len(os.fsencode(sockets)) + len(":65535") < UNIX_PATH_MAX)
+        same_host = self.launcher == "fork" or (self._local and not self.controller_ip)
         if ipc:
             controller_args += ["--IPController.transport=ipc", f"--IPController.ip={sockets}"]
         kwargs: dict[str, Any] = dict(
@@ -284,7 +289,7 @@ class Cluster:
             controller_args=controller_args, engine_timeout=int(self.timeout))
         kwargs["controller"] = GuardedControllerLauncher  # the controller always runs here
         controller_ip = self.controller_ip or (None if self._local else self.host)
-        if controller_ip:  # remote engines must reach it: not loopback
+        if controller_ip and not ipc:  # remote engines must reach it: not loopback
             kwargs["controller_ip"] = controller_ip
         self._ipp = ipp.Cluster(**kwargs)
         if self._zygote is not None:
@@ -293,10 +298,24 @@ class Cluster:
         env = {guard.MAX_MESSAGE_ENV: str(self.controller_max_message)}
         if self._own_profile:
             env[guard.CLEANUP_ENV] = self._profile_dir
+        relay_file = None
         if ipc:
             env[guard.IPC_ENV] = "1"
+            if not same_host:
+                relay_file = os.path.join(self._profile_dir, "security", "nbrpc-relay")
+                bind = controller_ip if controller_ip not in (None, "*") else "0.0.0.0"
+                env.update({guard.RELAY_ENV: bind, guard.RELAY_SOCKETS_ENV: sockets,
+                            guard.RELAY_FILE_ENV: relay_file,
+                            guard.RELAY_KEY_ENV: os.path.join(
+                                self._profile_dir, "security",
+                                f"ipcontroller-{self._ipp.cluster_id}-engine.json")})
         self._loop.run(self._ipp.start_controller, timeout=self.timeout, environment=env)
         self._controller_proc = getattr(self._ipp.controller, "process", None)
+        self._relay = None
+        if relay_file is not None:
+            _, port = relay.parse_address(_wait_for_file(relay_file, self.timeout))
+            where = controller_ip if controller_ip not in (None, "*", "0.0.0.0") else self.host
+            self._relay = f"[{where}]:{port}" if ":" in where else f"{where}:{port}"
         progress.update(0, "controller started")
         if self._zygote is not None:
             self._zygote.wait_ready(self.timeout)
@@ -306,6 +325,11 @@ class Cluster:
         kwargs = {k: v for k, v in self.launcher_options.items()}
         env = dict(kwargs.pop("environment", {}))
         env.update({engine_side.WORKER_ENV: w.name, "OMP_WAIT_POLICY": "PASSIVE"})
+        if self._relay is not None:  # the engine reaches the controller through it
+            env[relay.RELAY_ENV] = self._relay
+            if not self._mpi:  # (nbrpc's MPI wrapper starts the relay itself)
+                kwargs["engine_cmd"] = relay.relayed_engine_cmd(
+                    kwargs.get("engine_cmd") or [sys.executable, "-m", "ipyparallel.engine"])
         args = list(kwargs.pop("engine_args", []))
         args += [f"--IPEngine.id={w.rank}", "--IPEngine.enable_nanny=False",
                  "--IPEngine.max_heartbeat_misses=10"]
@@ -777,6 +801,21 @@ def _check_count(n: Any, what: str) -> int:
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise ValueError(f"{what} needs a number of workers >= 1, got {n!r}")
     return n
+
+
+def _wait_for_file(path: str, timeout: float) -> str:
+    """The text of ``path``, once it exists (within ``timeout`` s)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            with open(path) as f:
+                return f.read()
+        except FileNotFoundError:
+            if time.monotonic() > deadline:
+                raise ClusterError(f"the controller's relay did not start within {timeout:g} s "
+                                   f"(no {path}); see the controller's log in the profile "
+                                   "directory") from None
+            time.sleep(0.05)  # (a poll's pace)
 
 
 def _left(deadline: float) -> float:

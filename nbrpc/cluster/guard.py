@@ -28,6 +28,12 @@ CLEANUP_ENV = "NBRPC_GUARD_CLEANUP"
 MAX_MESSAGE_ENV = "NBRPC_ZMQ_MAX_MESSAGE"
 # Set: the guarded ipyparallel controller binds ipc:// where its peers connect.
 IPC_ENV = "NBRPC_IPP_IPC"
+# Set: serve the controller's ipc:// channels to other hosts through an
+# authenticated relay (relay.ControllerRelay) listening on this host.
+RELAY_ENV = "NBRPC_RELAY_BIND"
+RELAY_SOCKETS_ENV = "NBRPC_RELAY_SOCKETS"  # the channels' socket paths, less ":<port>"
+RELAY_KEY_ENV = "NBRPC_RELAY_KEY_FILE"  # the controller's engine connection file
+RELAY_FILE_ENV = "NBRPC_RELAY_FILE"  # where the relay writes the HOST:PORT it listens on
 
 _LOADER = ("import runpy, sys; runpy.run_path(sys.argv[1], run_name='__nbrpc_guard__')"
            "['main'](sys.argv[2:])")
@@ -122,6 +128,37 @@ def bind_ipc_where_peers_connect() -> None:
     IPController.construct_url = colon_url  # type: ignore[method-assign]
 
 
+def start_relay(host: str, sockets: str, key_file: str, address_file: str) -> object:
+    """Start the controller's relay (:class:`.relay.ControllerRelay`) on
+    ``host``, and write the ``HOST:PORT`` it listens on to ``address_file``
+    (mode 0600, whole or not at all). ``relay.py`` is loaded by path, as this
+    file is: importing the package would import torch."""
+    import importlib.util
+    import json
+
+    spec = importlib.util.spec_from_file_location(
+        "nbrpc_guard_relay", os.path.join(os.path.dirname(os.path.abspath(__file__)), "relay.py"))
+    relay = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = relay  # (dataclasses look their module up)
+    spec.loader.exec_module(relay)
+
+    def key_of() -> bytes | None:
+        try:
+            with open(key_file) as f:
+                return json.load(f)["key"].encode()
+        except (OSError, ValueError, KeyError):
+            return None
+
+    server = relay.ControllerRelay(host, sockets, key_of).start()
+    host, port = server.address
+    tmp = f"{address_file}.{os.getpid()}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(f"[{host}]:{port}" if ":" in host else f"{host}:{port}")
+    os.replace(tmp, address_file)
+    return server
+
+
 def _watch_in_forked_child() -> None:
     os.environ.pop(CLEANUP_ENV, None)  # the root of the tree cleans up, once
     watch_parent(os.getppid())
@@ -141,5 +178,8 @@ def main(argv: list[str]) -> None:
         cap_zmq_messages(int(limit))
     if os.environ.get(IPC_ENV):
         bind_ipc_where_peers_connect()
+    if os.environ.get(RELAY_ENV):
+        start_relay(os.environ[RELAY_ENV], os.environ[RELAY_SOCKETS_ENV],
+                    os.environ[RELAY_KEY_ENV], os.environ[RELAY_FILE_ENV])
     sys.argv = [argv[1], *argv[2:]]
     runpy.run_module(argv[1], run_name="__main__", alter_sys=True)

@@ -23,6 +23,7 @@ import shutil
 import subprocess
 import sys
 
+from . import relay
 from .engine import WORKER_ENV
 
 # the rank of this process in MPI_COMM_WORLD, as Open MPI, MPICH/Hydra, PMIx and
@@ -129,6 +130,7 @@ def survive_args(mpiexec: str) -> list[str]:
 def main() -> None:
     name, args = engine_argv(sys.argv[1:])
     os.environ[WORKER_ENV] = name
+    relay.start_engine_relay()  # (where the controller is reached through a relay)
     sys.argv = [sys.argv[0], *args]
     runpy.run_module("ipyparallel.engine", run_name="__main__", alter_sys=True)
 

@@ -1,0 +1,485 @@
+"""ipyparallel's controller, reached from other hosts through one port that
+only key holders get through.
+
+ipyparallel's controller speaks no authenticated handshake: whoever reaches
+one of its TCP ports can make it hold a whole frame (up to the 64 MiB nbrpc
+caps it at), on as many connections as they open. So a Cluster's controller
+never listens on TCP. It binds Unix sockets in the cluster's private profile
+(0700); engines on this host connect to them directly, and engines on other
+hosts through a relay pair::
+
+    engine host                                  driver host
+    ipyparallel engine                           ipyparallel controller
+      connects ipc://<private dir>/c:<port>        binds ipc://<profile>/c:<port>
+    EngineRelay (a thread of the engine)         ControllerRelay (a thread of the
+      listens there, and for each connection       guarded controller process)
+      dials the driver's relay and sends  ---->    listens on one TCP port: a
+      HELLO = token + port, then the bytes         connection is spliced to
+                                                   <profile>/c:<port> only
+                                                   after a valid HELLO
+
+The token is ``HMAC(ipyparallel's session key, "nbrpc-controller-relay")``:
+engines hold that key already (it signs every ipyparallel message), so the
+relay asks for nothing new. Before its HELLO a connection costs the relay
+``HELLO_LEN`` bytes, for at most ``HELLO_TIMEOUT`` seconds, and at most
+``MAX_WAITING`` connections wait at once (more are closed): a peer without
+the key holds a few kilobytes of the driver, however many connections it
+opens. After it, each direction of a spliced connection holds at most
+``BUFFER`` bytes (reading stops until the other side drains).
+
+Both ends run one thread each with a selector over non-blocking sockets
+(:class:`Splicer`); ZeroMQ's reconnects become new relayed connections.
+"""
+
+from __future__ import annotations
+
+import errno
+import heapq
+import hmac
+import itertools
+import json
+import logging
+import os
+import selectors
+import socket
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+log = logging.getLogger(__name__)
+
+TOKEN_LABEL = b"nbrpc-controller-relay"
+TOKEN_LEN = 32
+HELLO_LEN = TOKEN_LEN + 2  # token, then the controller port (big-endian)
+HELLO_TIMEOUT = 10.0  # seconds a connection has to send its HELLO
+MAX_WAITING = 64  # connections without a HELLO yet, at most
+BUFFER = 1 << 18  # bytes held per direction of a spliced connection
+_READ = 1 << 16  # bytes read at once
+# The controller's channels in an engine's connection info (ports or lists of ports).
+CHANNELS = ("registration", "control", "mux", "task", "iopub", "hb_ping", "hb_pong",
+            "broadcast")
+
+
+def relay_token(session_key: bytes) -> bytes:
+    """What a relayed connection presents: only ipyparallel key holders know it.
+
+    >>> len(relay_token(b"k")), relay_token(b"k") == relay_token(b"other")
+    (32, False)
+    """
+    return hmac.new(session_key, TOKEN_LABEL, "sha256").digest()
+
+
+def hello(token: bytes, port: int) -> bytes:
+    """The first bytes of a relayed connection: ``token``, then ``port``.
+
+    >>> hello(bytes(32), 443)[32:]
+    b'\\x01\\xbb'
+    """
+    return token + port.to_bytes(2, "big")
+
+
+def channel_ports(info: dict) -> list[int]:
+    """The controller ports an engine's connection info names.
+
+    >>> channel_ports({"interface": "ipc:///p/c", "registration": 5, "mux": 7,
+    ...                "broadcast": [9, 11], "key": "x"})
+    [5, 7, 9, 11]
+    """
+    ports: list[int] = []
+    for name in CHANNELS:
+        value = info.get(name)
+        for port in value if isinstance(value, list) else [value]:
+            if isinstance(port, int) and port not in ports:
+                ports.append(port)
+    return ports
+
+
+@dataclass(eq=False)
+class _End:
+    """One socket of a spliced pair: what waits to be written to it, its peer,
+    and the events it is registered for (0: not registered)."""
+
+    sock: socket.socket
+    out: bytearray = field(default_factory=bytearray)
+    peer: _End | None = None
+    connecting: bool = False
+    eof: bool = False  # it closed its side: what it sent is flushed, then both close
+    events: int = 0
+
+
+class Splicer:
+    """Copies bytes both ways between pairs of non-blocking sockets, and
+    accepts on listening ones, on one thread. ``stop()`` closes everything."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self._sel = selectors.DefaultSelector()
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._sel.register(self._wake_r, selectors.EVENT_READ, ("wake", None))
+        self._stopping = False
+        self._deadlines: list[tuple[float, int, Callable[[], object]]] = []  # a heap
+        self._count = itertools.count()
+        self.pairs = 0  # spliced pairs open
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+
+    def start(self) -> Splicer:
+        self._thread.start()
+        return self
+
+    def stop(self, timeout: float = 5.0) -> None:
+        self._stopping = True
+        try:
+            self._wake_w.send(b"x")
+        except OSError:
+            pass
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(timeout)
+
+    # -- called on the loop's thread (or before it starts) -----------------------
+    def listen(self, sock: socket.socket, on_accept: Callable[[socket.socket], None]) -> None:
+        sock.setblocking(False)
+        self._sel.register(sock, selectors.EVENT_READ, ("listen", on_accept))
+
+    def watch(self, sock: socket.socket, on_readable: Callable[[], None]) -> None:
+        self._sel.register(sock, selectors.EVENT_READ, ("watch", on_readable))
+
+    def forget(self, sock: socket.socket) -> None:
+        try:
+            self._sel.unregister(sock)
+        except (KeyError, ValueError):
+            pass
+
+    def later(self, seconds: float, fn: Callable[[], object]) -> None:
+        heapq.heappush(self._deadlines, (time.monotonic() + seconds, next(self._count), fn))
+
+    def splice(self, a: socket.socket, b: socket.socket, *, to_b: bytes = b"",
+               b_connecting: bool = False) -> None:
+        """Copy ``a``'s bytes to ``b`` and back, ``to_b`` first; ``b`` may
+        still be connecting (a non-blocking connect in progress)."""
+        ea, eb = _End(a), _End(b, bytearray(to_b), connecting=b_connecting)
+        ea.peer, eb.peer = eb, ea
+        for end in (ea, eb):
+            end.sock.setblocking(False)
+            self._update(end)
+        self.pairs += 1
+
+    # -- the loop --------------------------------------------------------------
+    @staticmethod
+    def _interest(end: _End) -> int:
+        events = 0
+        if (not end.connecting and not end.eof and end.peer is not None
+                and len(end.peer.out) < BUFFER):
+            events |= selectors.EVENT_READ
+        if end.out or end.connecting:
+            events |= selectors.EVENT_WRITE
+        return events
+
+    def _update(self, end: _End) -> None:
+        events = self._interest(end)
+        if events == end.events:
+            return
+        if not end.events:
+            self._sel.register(end.sock, events, ("end", end))
+        elif not events:
+            self._sel.unregister(end.sock)
+        else:
+            self._sel.modify(end.sock, events, ("end", end))
+        end.events = events
+
+    def _close_pair(self, end: _End) -> None:
+        peer = end.peer
+        for e in (end, peer):
+            if e is not None and e.events:
+                self._sel.unregister(e.sock)
+                e.events = 0
+            if e is not None:
+                e.sock.close()
+                e.peer = None
+        self.pairs -= 1
+
+    def _on_end(self, end: _End, events: int) -> None:
+        peer = end.peer
+        if peer is None:
+            return
+        try:
+            if events & selectors.EVENT_WRITE:
+                if end.connecting:
+                    err = end.sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
+                    if err:
+                        raise OSError(err, os.strerror(err))
+                    end.connecting = False
+                if end.out:
+                    sent = end.sock.send(end.out)
+                    del end.out[:sent]
+            if events & selectors.EVENT_READ and not end.connecting and not end.eof:
+                data = end.sock.recv(min(_READ, BUFFER - len(peer.out)) or 1)
+                if data:
+                    peer.out += data
+                else:
+                    end.eof = True
+        except (BlockingIOError, InterruptedError):
+            pass
+        except OSError:
+            self._close_pair(end)
+            return
+        if (end.eof and not peer.out) or (peer.eof and not end.out):
+            self._close_pair(end)  # one side is done, and all it sent is through
+            return
+        self._update(end)
+        self._update(peer)
+
+    def _run(self) -> None:
+        try:
+            while not self._stopping:
+                timeout = 1.0
+                if self._deadlines:
+                    timeout = min(1.0, max(0.0, self._deadlines[0][0] - time.monotonic()))
+                for key, events in self._sel.select(timeout):
+                    kind, what = key.data
+                    if kind == "end":
+                        self._on_end(what, events)
+                    elif kind == "listen":
+                        self._accept(key.fileobj, what)
+                    elif kind == "watch":
+                        what()
+                    else:  # "wake"
+                        try:
+                            self._wake_r.recv(64)
+                        except OSError:
+                            pass
+                now = time.monotonic()
+                for _ in range(len(self._deadlines)):
+                    if self._deadlines[0][0] > now:
+                        break
+                    heapq.heappop(self._deadlines)[2]()
+        except Exception:  # a bug here must not pass silently
+            log.exception("%s: the relay's loop failed", self.name)
+        finally:
+            for key in list(self._sel.get_map().values()):
+                if key.fileobj is not self._wake_r:
+                    key.fileobj.close()
+            self._sel.close()
+            self._wake_r.close()
+            self._wake_w.close()
+
+    def _accept(self, listener: socket.socket, on_accept: Callable[[socket.socket], None]
+                ) -> None:
+        for _ in range(64):
+            try:
+                conn, _ = listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as e:  # out of fds: try again on the next wake
+                log.warning("%s: cannot accept a connection: %s", self.name, e)
+                return
+            conn.setblocking(False)
+            on_accept(conn)
+
+
+def _tcp_options(sock: socket.socket) -> None:
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+
+
+class ControllerRelay:
+    """The driver's end: one TCP port, spliced to the controller's Unix
+    sockets ``<sockets>:<port>`` after a valid HELLO. ``key_of()`` gives
+    ipyparallel's session key (read once the controller has written it)."""
+
+    def __init__(self, host: str, sockets: str, key_of: Callable[[], bytes | None]) -> None:
+        self.sockets, self._key_of = sockets, key_of
+        self._token: bytes | None = None
+        self._waiting: dict[socket.socket, bytearray] = {}
+        self.refused = 0
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self._listener = socket.create_server((host, 0), family=family, backlog=128)
+        self.address = self._listener.getsockname()[:2]
+        self._splicer = Splicer("nbrpc-controller-relay")
+        self._splicer.listen(self._listener, self._on_accept)
+
+    def start(self) -> ControllerRelay:
+        self._splicer.start()
+        return self
+
+    def stop(self) -> None:
+        self._splicer.stop()
+
+    @property
+    def pairs(self) -> int:
+        return self._splicer.pairs
+
+    def _refuse(self, conn: socket.socket, why: str) -> None:
+        """Close ``conn``, counted; logged at the 1st, 2nd, 4th, 8th... refusal."""
+        self._waiting.pop(conn, None)
+        self._splicer.forget(conn)
+        self.refused += 1
+        if self.refused & (self.refused - 1) == 0:
+            try:
+                peer = "{}:{}".format(*conn.getpeername()[:2])
+            except OSError:
+                peer = "?"
+            log.warning("controller relay: refused a connection from %s: %s (%d refused so "
+                        "far)", peer, why, self.refused)
+        conn.close()
+
+    def _on_accept(self, conn: socket.socket) -> None:
+        if len(self._waiting) >= MAX_WAITING:
+            self._refuse(conn, f"{MAX_WAITING} connections already wait for their HELLO")
+            return
+        _tcp_options(conn)
+        self._waiting[conn] = bytearray()
+        self._splicer.watch(conn, lambda: self._on_hello_bytes(conn))
+        self._splicer.later(HELLO_TIMEOUT, lambda: conn in self._waiting and self._refuse(
+            conn, f"no HELLO within {HELLO_TIMEOUT:g} s"))
+
+    def _on_hello_bytes(self, conn: socket.socket) -> None:
+        got = self._waiting.get(conn)
+        if got is None:
+            return
+        try:
+            data = conn.recv(HELLO_LEN - len(got))
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            data = b""
+        if not data:
+            self._waiting.pop(conn, None)
+            self._splicer.forget(conn)
+            conn.close()
+            return
+        got += data
+        if len(got) < HELLO_LEN:
+            return
+        del self._waiting[conn]
+        self._splicer.forget(conn)
+        if self._token is None:
+            key = self._key_of()
+            self._token = relay_token(key) if key else None
+        if self._token is None or not hmac.compare_digest(bytes(got[:TOKEN_LEN]), self._token):
+            self._refuse(conn, "not the cluster's key")
+            return
+        port = int.from_bytes(got[TOKEN_LEN:], "big")
+        path = f"{self.sockets}:{port}"
+        target = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            target.settimeout(2)
+            target.connect(path)
+        except OSError as e:
+            target.close()
+            log.warning("controller relay: no controller channel at %s: %s", path, e)
+            conn.close()
+            return
+        self._splicer.splice(conn, target)
+
+
+class EngineRelay:
+    """The engine's end: a Unix socket per controller port in ``directory``
+    (``<directory>/c:<port>``), each connection to it dialled on to the
+    driver's relay at ``address`` with the HELLO first."""
+
+    def __init__(self, address: tuple[str, int], token: bytes, ports: list[int],
+                 directory: str) -> None:
+        self.address, self._token = address, token
+        self.interface = f"ipc://{directory}/c"
+        self._splicer = Splicer("nbrpc-engine-relay")
+        for port in ports:
+            listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            listener.bind(f"{directory}/c:{port}")
+            listener.listen(64)
+            self._splicer.listen(listener, lambda conn, p=port: self._on_accept(conn, p))
+
+    def start(self) -> EngineRelay:
+        self._splicer.start()
+        return self
+
+    def stop(self) -> None:
+        self._splicer.stop()
+
+    def _on_accept(self, conn: socket.socket, port: int) -> None:
+        try:
+            out = socket.socket(socket.AF_INET6 if ":" in self.address[0] else socket.AF_INET,
+                                socket.SOCK_STREAM)
+        except OSError as e:
+            log.warning("engine relay: %s", e)
+            conn.close()
+            return
+        _tcp_options(out)
+        out.setblocking(False)
+        err = out.connect_ex(self.address)
+        if err not in (0, errno.EINPROGRESS):
+            log.warning("engine relay: cannot reach the driver's relay at %s:%s: %s",
+                        *self.address, os.strerror(err))
+            out.close()
+            conn.close()
+            return
+        self._splicer.splice(conn, out, to_b=hello(self._token, port),
+                             b_connecting=err == errno.EINPROGRESS)
+
+
+# -- the engine's side, from its environment -------------------------------------
+RELAY_ENV = "NBRPC_CONTROLLER_RELAY"  # host:port of the driver's relay, for engines
+ENGINE = "-m ipyparallel.engine"
+RELAYED_ENGINE = "-m nbrpc.cluster.relay_engine"  # the relay, then the engine
+_engine_relay: list[EngineRelay] = []
+
+
+def relayed_engine_cmd(cmd: list[str]) -> list[str]:
+    """``cmd`` with ipyparallel's engine module swapped for
+    :mod:`.relay_engine`, which starts the engine's relay and then runs the
+    engine (as items, or inside a shell command's text).
+
+    >>> relayed_engine_cmd(["python3", "-m", "ipyparallel.engine"])
+    ['python3', '-m', 'nbrpc.cluster.relay_engine']
+    >>> relayed_engine_cmd(["sh", "-c", 'exec "$0" -m ipyparallel.engine "$@"', "python3"])[2]
+    'exec "$0" -m nbrpc.cluster.relay_engine "$@"'
+    """
+    out, swapped = list(cmd), False
+    for i in range(len(out) - 1):
+        if out[i:i + 2] == ENGINE.split():
+            out[i + 1], swapped = RELAYED_ENGINE.split()[1], True
+    for i, item in enumerate(out):
+        if ENGINE in item and item != ENGINE:
+            out[i], swapped = item.replace(ENGINE, RELAYED_ENGINE), True
+    if not swapped:
+        raise ValueError(
+            f"engine_cmd must run ipyparallel's engine as '{ENGINE}' (nbrpc puts its relay "
+            f"to the controller in that place): got {cmd}")
+    return out
+
+
+def parse_address(text: str) -> tuple[str, int]:
+    """``host:port`` (``[v6]:port``) -> (host, port).
+
+    >>> parse_address("10.0.0.5:4000"), parse_address("[::1]:4000")
+    (('10.0.0.5', 4000), ('::1', 4000))
+    """
+    host, sep, port = text.rpartition(":")
+    if not sep or not port.isdigit():
+        raise ValueError(f"${RELAY_ENV} must be HOST:PORT, got {text!r}")
+    return host.strip("[]"), int(port)
+
+
+def start_engine_relay(environ: dict[str, str] | os._Environ = os.environ,
+                       directory: str | None = None) -> EngineRelay | None:
+    """Where ``$NBRPC_CONTROLLER_RELAY`` names the driver's relay: listen for
+    this engine's channels in a private directory, and point
+    ``$IPP_CONNECTION_INFO`` there (before ipyparallel's engine reads it).
+    None (nothing done) without it."""
+    where = environ.get(RELAY_ENV)
+    if not where:
+        return None
+    info = json.loads(environ["IPP_CONNECTION_INFO"])
+    if directory is None:
+        from ..transport import local
+
+        directory = local.make_dir()  # (0700; swept once this process is gone)
+    relay = EngineRelay(parse_address(where), relay_token(info["key"].encode()),
+                        channel_ports(info), directory)
+    info["interface"] = relay.interface
+    environ["IPP_CONNECTION_INFO"] = json.dumps(info)
+    _engine_relay.append(relay.start())
+    log.info("ipyparallel's controller reached through the relay at %s", where)
+    return relay
+

@@ -1,0 +1,202 @@
+"""The controller's relay (``nbrpc.cluster.relay``), in this process: an
+engine's end and the driver's end spliced through loopback TCP to a stand-in
+for the controller (a Unix socket server that echoes), and what the
+driver's end does with connections that do not present the key."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from conftest import poll_or_fail
+
+from nbrpc.cluster import relay
+
+KEY = b"the ipyparallel session key"
+PORT = 4242  # a controller channel's port (only a number in a socket's name here)
+
+
+class Echo:
+    """The controller's channel ``<sockets>:<port>``: echoes what it gets."""
+
+    def __init__(self, path: str) -> None:
+        self.server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.server.bind(path)
+        self.server.listen(16)
+        self.server.settimeout(0.2)
+        self.accepted = 0
+        self._stop = False
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        while not self._stop:
+            try:
+                conn, _ = self.server.accept()
+            except OSError:
+                continue
+            self.accepted += 1
+            threading.Thread(target=self._echo, args=(conn,), daemon=True).start()
+
+    @staticmethod
+    def _echo(conn: socket.socket) -> None:
+        with conn:
+            conn.settimeout(10)
+            try:
+                while data := conn.recv(1 << 16):
+                    conn.sendall(data)
+            except OSError:
+                pass
+
+    def close(self) -> None:
+        self._stop = True
+        self._thread.join(2)
+        self.server.close()
+
+
+@pytest.fixture
+def ends(tmp_path: Path) -> Iterator[tuple[relay.ControllerRelay, relay.EngineRelay, Echo]]:
+    (tmp_path / "driver").mkdir()
+    (tmp_path / "engine").mkdir()
+    echo = Echo(str(tmp_path / "driver" / f"c:{PORT}"))
+    driver = relay.ControllerRelay("127.0.0.1", str(tmp_path / "driver" / "c"),
+                                   lambda: KEY).start()
+    engine = relay.EngineRelay(driver.address, relay.relay_token(KEY), [PORT],
+                               str(tmp_path / "engine")).start()
+    yield driver, engine, echo
+    engine.stop()
+    driver.stop()
+    echo.close()
+
+
+def _through(engine: relay.EngineRelay) -> socket.socket:
+    """A connection to the engine's end of the channel, as ZeroMQ opens one."""
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(10)
+    s.connect(engine.interface.removeprefix("ipc://") + f":{PORT}")
+    return s
+
+
+def _recv_exactly(s: socket.socket, n: int) -> bytes:
+    out = bytearray()
+    while len(out) < n:
+        chunk = s.recv(min(1 << 16, n - len(out)))
+        assert chunk, f"closed after {len(out)} of {n} bytes"
+        out += chunk
+    return bytes(out)
+
+
+def test_bytes_cross_both_ways_whole_and_in_order(ends) -> None:
+    driver, engine, echo = ends
+    payload = os.urandom(3 << 20)  # far more than a direction's buffer holds
+    with _through(engine) as s:
+        sender = threading.Thread(target=s.sendall, args=(payload,))
+        sender.start()
+        assert _recv_exactly(s, len(payload)) == payload
+        sender.join(10)
+        assert driver.pairs == 1 and echo.accepted == 1
+    poll_or_fail(lambda: driver.pairs == 0, 5, "the driver's end to close its pair")
+
+
+def test_many_connections_each_get_their_own_channel(ends) -> None:
+    driver, engine, echo = ends
+    socks = [_through(engine) for _ in range(20)]
+    try:
+        for i, s in enumerate(socks):
+            s.sendall(b"%d" % i)
+        for i, s in enumerate(socks):
+            assert _recv_exactly(s, len(b"%d" % i)) == b"%d" % i
+        assert driver.pairs == 20
+    finally:
+        for s in socks:
+            s.close()
+    poll_or_fail(lambda: driver.pairs == 0, 5, "every pair to close")
+    assert driver.refused == 0
+
+
+def _raw(driver: relay.ControllerRelay) -> socket.socket:
+    s = socket.create_connection(driver.address, timeout=5)
+    return s
+
+
+def _closed_by_peer(s: socket.socket, timeout: float = 5) -> bool:
+    s.settimeout(timeout)
+    try:
+        while s.recv(1 << 16):
+            pass
+    except ConnectionResetError:
+        pass
+    except TimeoutError:
+        return False
+    return True
+
+
+def test_a_connection_without_the_key_reaches_nothing(ends) -> None:
+    driver, _, echo = ends
+    with _raw(driver) as s:
+        s.sendall(relay.hello(relay.relay_token(b"another key"), PORT) + bytes(1 << 20))
+        assert _closed_by_peer(s)
+    assert driver.refused == 1 and echo.accepted == 0
+
+
+def test_a_hello_naming_no_channel_is_closed(ends) -> None:
+    driver, _, echo = ends
+    with _raw(driver) as s:
+        s.sendall(relay.hello(relay.relay_token(KEY), PORT + 1))
+        assert _closed_by_peer(s)
+    assert echo.accepted == 0
+
+
+def test_a_connection_that_says_nothing_is_closed_after_the_hello_timeout(
+        ends, monkeypatch: pytest.MonkeyPatch) -> None:
+    driver, _, _ = ends
+    monkeypatch.setattr(relay, "HELLO_TIMEOUT", 0.3)
+    with _raw(driver) as s:
+        s.sendall(b"x" * 10)  # less than a HELLO
+        assert _closed_by_peer(s)
+    assert driver.refused == 1
+
+
+def test_at_most_max_waiting_connections_wait_for_their_hello(ends) -> None:
+    driver, engine, _ = ends
+    waiting = [_raw(driver) for _ in range(relay.MAX_WAITING)]
+    try:
+        poll_or_fail(lambda: len(driver._waiting) == relay.MAX_WAITING, 5, "all to wait")
+        extra = [_raw(driver) for _ in range(10)]
+        for s in extra:
+            assert _closed_by_peer(s)
+            s.close()
+        assert driver.refused == 10
+    finally:
+        for s in waiting:
+            s.close()
+    with _through(engine) as s:  # once they are gone, a key holder gets in
+        s.sendall(b"ping")
+        assert _recv_exactly(s, 4) == b"ping"
+
+
+def test_the_engine_end_points_ipyparallel_at_its_own_sockets(
+        ends, tmp_path: Path) -> None:
+    driver, _, _ = ends
+    info = {"interface": "ipc:///driver/profile/c", "registration": PORT, "mux": 5,
+            "broadcast": [6, 7], "key": KEY.decode(), "location": "driver-host"}
+    environ = {relay.RELAY_ENV: "{}:{}".format(*driver.address),
+               "IPP_CONNECTION_INFO": json.dumps(info)}
+    (tmp_path / "mine").mkdir()
+    engine = relay.start_engine_relay(environ, str(tmp_path / "mine"))
+    try:
+        seen = json.loads(environ["IPP_CONNECTION_INFO"])
+        assert seen["interface"] == f"ipc://{tmp_path / 'mine'}/c"
+        assert {p.name for p in (tmp_path / "mine").iterdir()} == {
+            f"c:{p}" for p in (PORT, 5, 6, 7)}
+        with _through(engine) as s:
+            s.sendall(b"registration")
+            assert _recv_exactly(s, 12) == b"registration"
+    finally:
+        engine.stop()
+    assert relay.start_engine_relay({}, str(tmp_path)) is None  # no relay named: nothing
