@@ -572,6 +572,27 @@ def test_a_controller_whose_socket_paths_would_not_fit_listens_on_loopback(
         assert rpc.rpc_sync("worker1", max, args=(1, 2)) == 2
 
 
+def test_a_relayed_engine_holding_its_gil_stays_registered(own_cluster: None) -> None:
+    """Engines elsewhere reach the controller through their relay (here
+    ``launcher="local"`` with ``controller_ip``, which relays as remote
+    engines do). The relay runs in a process of its own, so an engine busy in
+    C with its GIL held for longer than the controller's heartbeat allowance
+    (4 periods of 0.5 s) still answers its heartbeats, and stays registered."""
+    def hold_gil(seconds: int) -> int:  # (by value: a local function)
+        import ctypes
+        import os
+
+        ctypes.PyDLL(None).sleep(seconds)
+        return os.getpid()
+
+    with Cluster(progress=False, launcher="local", controller_ip="127.0.0.1").start(1) as c:
+        assert c._relay is not None
+        pid = c.workers["worker1"].pid
+        assert rpc.rpc_sync("worker1", hold_gil, args=(5,), timeout=30) == pid
+        assert c.view("worker1").apply_sync(os.getpid) == pid  # still registered
+        assert c.status().workers[1].state == "ready"
+
+
 def test_hard_killed_driver_leaves_no_orphans(tmp_path: Path) -> None:
     script = _Script(tmp_path, DRIVER_THEN_SLEEP)
     procs: list[psutil.Process] = []

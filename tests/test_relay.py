@@ -8,7 +8,11 @@ from __future__ import annotations
 import json
 import os
 import socket
+import subprocess
+import sys
+import textwrap
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -188,7 +192,7 @@ def test_the_engine_end_points_ipyparallel_at_its_own_sockets(
     environ = {relay.RELAY_ENV: "{}:{}".format(*driver.address),
                "IPP_CONNECTION_INFO": json.dumps(info)}
     (tmp_path / "mine").mkdir()
-    engine = relay.start_engine_relay(environ, str(tmp_path / "mine"))
+    engine = relay.start_engine_relay(environ, str(tmp_path / "mine"), fork=False)
     try:
         seen = json.loads(environ["IPP_CONNECTION_INFO"])
         assert seen["interface"] == f"ipc://{tmp_path / 'mine'}/c"
@@ -200,3 +204,50 @@ def test_the_engine_end_points_ipyparallel_at_its_own_sockets(
     finally:
         engine.stop()
     assert relay.start_engine_relay({}, str(tmp_path)) is None  # no relay named: nothing
+
+
+ENGINE = textwrap.dedent("""
+    import ctypes, importlib.util, sys
+    spec = importlib.util.spec_from_file_location("relay", sys.argv[1])
+    relay = importlib.util.module_from_spec(spec)
+    sys.modules["relay"] = relay
+    spec.loader.exec_module(relay)
+    environ = {relay.RELAY_ENV: sys.argv[2], "IPP_CONNECTION_INFO": sys.argv[3]}
+    print(relay.start_engine_relay(environ, sys.argv[4]).pid, flush=True)
+    sys.stdin.readline()
+    ctypes.PyDLL(None).sleep(60)  # busy in C with the GIL held, as an engine may be
+""")
+
+
+def test_an_engines_relay_serves_while_the_engine_holds_its_gil_and_goes_with_it(
+        ends, tmp_path: Path) -> None:
+    """An engine's relay runs in a child process: ipyparallel's heartbeats
+    pass while the engine is busy in C with its GIL held (as its own heart
+    does), and the child goes when the engine does."""
+    import psutil
+
+    driver, _, echo = ends
+    info = {"interface": "ipc:///driver/profile/c", "registration": PORT,
+            "key": KEY.decode()}
+    (tmp_path / "mine").mkdir()
+    engine = subprocess.Popen(
+        [sys.executable, "-c", ENGINE, relay.__file__, "{}:{}".format(*driver.address),
+         json.dumps(info), str(tmp_path / "mine")],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        child = int(engine.stdout.readline())
+        engine.stdin.write("hold\n")
+        engine.stdin.flush()
+        time.sleep(0.5)  # (lets the engine enter its GIL hold)
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+            s.settimeout(5)
+            s.connect(str(tmp_path / "mine" / f"c:{PORT}"))
+            s.sendall(b"heartbeat")
+            assert _recv_exactly(s, 9) == b"heartbeat"
+        assert engine.poll() is None  # (still holding)
+    finally:
+        engine.kill()
+        engine.wait(10)
+    poll_or_fail(lambda: not psutil.pid_exists(child)
+                 or psutil.Process(child).status() == psutil.STATUS_ZOMBIE, 5,
+                 "the relay's process to go with its engine")

@@ -230,9 +230,25 @@ class Splicer:
         self._update(end)
         self._update(peer)
 
-    def _run(self) -> None:
+    def run(self, done: Callable[[], bool] = lambda: False) -> None:
+        """Serve on this thread until ``stop()`` or ``done()`` (asked once a second)."""
+        self._run(done)
+
+    def close(self) -> None:
+        """Close every socket of a splicer that will not run here."""
+        for key in list(self._sel.get_map().values()):
+            key.fileobj.close()
+        self._sel.close()
+        self._wake_w.close()
+
+    def _run(self, done: Callable[[], bool] = lambda: False) -> None:
+        last = time.monotonic()
         try:
             while not self._stopping:
+                if time.monotonic() - last >= 1.0:
+                    last = time.monotonic()
+                    if done():
+                        break
                 timeout = 1.0
                 if self._deadlines:
                     timeout = min(1.0, max(0.0, self._deadlines[0][0] - time.monotonic()))
@@ -276,6 +292,32 @@ class Splicer:
                 return
             conn.setblocking(False)
             on_accept(conn)
+
+
+def _fork_relay(relay: EngineRelay) -> int:
+    """Run ``relay`` in a child process that exits when this one does (at
+    once on Linux, ``PR_SET_PDEATHSIG``; within a second elsewhere); this
+    process keeps none of its sockets. Returns the child's pid."""
+    parent = os.getpid()
+    pid = os.fork()
+    if pid:
+        relay.detach()
+        return pid
+    code = 0
+    try:  # the child: nothing but the relay, until its parent is gone
+        try:
+            import ctypes
+
+            ctypes.CDLL(None, use_errno=True).prctl(1, 15)  # PR_SET_PDEATHSIG, SIGTERM
+        except (OSError, AttributeError):
+            pass
+        if os.getppid() == parent:
+            relay.run_here(parent)
+    except BaseException:  # noqa: BLE001 - a child must never return into the engine
+        log.exception("engine relay: failed")
+        code = 1
+    finally:
+        os._exit(code)
 
 
 def _tcp_options(sock: socket.socket) -> None:
@@ -390,12 +432,22 @@ class EngineRelay:
             listener.listen(64)
             self._splicer.listen(listener, lambda conn, p=port: self._on_accept(conn, p))
 
+    pid: int | None = None  # the child process it runs in, if forked
+
     def start(self) -> EngineRelay:
         self._splicer.start()
         return self
 
     def stop(self) -> None:
         self._splicer.stop()
+
+    def run_here(self, parent: int) -> None:
+        """Run on this thread until process ``parent`` is no longer our parent."""
+        self._splicer.run(lambda: os.getppid() != parent)
+
+    def detach(self) -> None:
+        """Close this process's copies of the relay's sockets (a child runs it)."""
+        self._splicer.close()
 
     def _on_accept(self, conn: socket.socket, port: int) -> None:
         try:
@@ -462,11 +514,18 @@ def parse_address(text: str) -> tuple[str, int]:
 
 
 def start_engine_relay(environ: dict[str, str] | os._Environ = os.environ,
-                       directory: str | None = None) -> EngineRelay | None:
+                       directory: str | None = None, fork: bool = True
+                       ) -> EngineRelay | None:
     """Where ``$NBRPC_CONTROLLER_RELAY`` names the driver's relay: listen for
     this engine's channels in a private directory, and point
     ``$IPP_CONNECTION_INFO`` there (before ipyparallel's engine reads it).
-    None (nothing done) without it."""
+    None (nothing done) without it.
+
+    With ``fork`` (what an engine does) the relay runs in a child process of
+    its own, which exits with this one: an engine busy in a C call that holds
+    its GIL still answers ipyparallel's heartbeats (its heart is a libzmq
+    device that runs without the GIL), so its relay must not need that GIL.
+    Without it, in a thread of this process (tests)."""
     where = environ.get(RELAY_ENV)
     if not where:
         return None
@@ -479,7 +538,10 @@ def start_engine_relay(environ: dict[str, str] | os._Environ = os.environ,
                         channel_ports(info), directory)
     info["interface"] = relay.interface
     environ["IPP_CONNECTION_INFO"] = json.dumps(info)
-    _engine_relay.append(relay.start())
+    if fork:
+        relay.pid = _fork_relay(relay)
+    else:
+        _engine_relay.append(relay.start())
     log.info("ipyparallel's controller reached through the relay at %s", where)
     return relay
 
