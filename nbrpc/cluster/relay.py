@@ -20,7 +20,10 @@ hosts through a relay pair::
 
 The token is ``HMAC(ipyparallel's session key, "nbrpc-controller-relay")``:
 engines hold that key already (it signs every ipyparallel message), so the
-relay asks for nothing new. Before its HELLO a connection costs the relay
+relay asks for nothing new. It crosses the network in clear, as
+ipyparallel's messages do: someone who reads the traffic can replay it (and
+read those messages); ipyparallel's own CurveZMQ, end to end through the
+relay, is the answer on such a network. Before its HELLO a connection costs the relay
 ``HELLO_LEN`` bytes, for at most ``HELLO_TIMEOUT`` seconds, and at most
 ``MAX_WAITING`` connections wait at once (more are closed): a peer without
 the key holds a few kilobytes of the driver, however many connections it
