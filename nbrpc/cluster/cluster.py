@@ -78,9 +78,10 @@ class Cluster:
     ... or a class), configured with ``launcher_options`` (its traits, e.g.
     ``{"engines": {"host1": 2}}`` for ssh). ``host`` is the interface the
     driver's agent listens on (loopback for local launchers, else the address
-    that routes to the engines); ``controller_ip`` the controller's (by
-    default ``host``; with local launchers none: the controller then listens
-    on Unix sockets in the private profile, unreachable by other users).
+    that routes to the engines); ``controller_ip`` the interface of the
+    controller's relay, for engines on other hosts (by default ``host``;
+    none with local launchers). The controller itself listens on Unix
+    sockets in the private profile, which other users cannot reach.
     ``failure_timeout``: seconds a worker may stay silent with its connection
     up (busy in C code holding the GIL, stopped) before it is declared dead;
     by default (None) each agent's own: never on Linux, where a worker whose
