@@ -101,6 +101,8 @@ def test_ipython_output_history_keeps_an_rref_alive_and_why_alive_says_so(
         gc.collect()
         why = debug.why_alive(rid)
         assert any(ref.startswith("Out[") for ref in why["references"]["a"]), why
+        # Out[n], _n and _ (and the display hook's _) are one reference, said once
+        assert len([ref for ref in why["references"]["a"] if "output history" in ref]) == 1, why
         assert any("output history" in h and "forget_outputs()" in h for h in why["hints"])
         assert rid in debug.rref_graph()["values"]  # still alive on b
         shell.run_cell("%reset -f out", store_history=True)

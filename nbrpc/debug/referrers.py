@@ -89,7 +89,34 @@ def references(obj: Any, scope: Scope, ignore: tuple = ()) -> list[str]:
     places = _places(held[:NAMED], scope)
     for c in held:
         found += _held(c, obj, places.get(id(c), []))
-    return sorted(set(found))
+    return one_output_line(sorted(set(found)))
+
+
+_OUT_PREFIX = "IPython output history ("
+
+
+def one_output_line(found: list[str]) -> list[str]:
+    """IPython's names for one displayed output (``Out[5]``, ``_5``, ``_``,
+    the display hook's ``_``) said once, not as four references.
+
+    >>> one_output_line(["IPython output history (_)", "IPython output history (_5)",
+    ...                  "Out[5]", "IPython output history (the display hook)", "global 'r'"])
+    ["global 'r'", "Out[5], also as _5, _ and the display hook (IPython's output history)"]
+    >>> one_output_line(["IPython output history (_)", "IPython output history (the display hook)"])
+    ['IPython output history (_ and the display hook)']
+    """
+    outs = [t for t in found if t.startswith("Out[") and t.endswith("]") and ":" not in t]
+    names = [t[len(_OUT_PREFIX):-1] for t in found
+             if t.startswith(_OUT_PREFIX) and ":" not in t]  # (not a container's line)
+    if len(outs) + len(names) < 2:
+        return found
+    rest = [t for t in found if t not in outs and not (t.startswith(_OUT_PREFIX) and ":" not in t)]
+    names.sort(key=lambda n: (n == "the display hook", not n[1:].isdigit(), len(n), n))
+    listed = names[0] if len(names) == 1 else f"{', '.join(names[:-1])} and {names[-1]}"
+    if not outs:
+        return [*rest, f"{_OUT_PREFIX}{listed})"]
+    line = ", ".join(outs) + (f", also as {listed}" if names else "")
+    return [*rest, f"{line} (IPython's output history)"]
 
 
 def _direct(ref: Any, obj: Any, scope: Scope) -> list[str]:
@@ -111,6 +138,8 @@ def _direct(ref: Any, obj: Any, scope: Scope) -> list[str]:
         return [f"pending fork {ref.fork_id} to rank {ref.to} (until accepted)"]
     if isinstance(ref, types.CellType):
         return ["a closure"]
+    if type(ref).__name__.endswith("DisplayHook"):  # IPython's, or ipykernel's
+        return [f"{_OUT_PREFIX}the display hook)"]
     if type(ref).__module__.startswith("IPython."):
         return [f"IPython output history ({type(ref).__name__})"]
     names = _names_of(obj, _attributes(ref))
