@@ -251,3 +251,30 @@ def test_an_engines_relay_serves_while_the_engine_holds_its_gil_and_goes_with_it
     poll_or_fail(lambda: not psutil.pid_exists(child)
                  or psutil.Process(child).status() == psutil.STATUS_ZOMBIE, 5,
                  "the relay's process to go with its engine")
+
+
+@pytest.mark.parametrize(("launcher", "options", "expected"), [
+    ("ssh", {"remote_python": "/opt/py/bin/python3", "engines": {"h2": 1}},
+     ["/opt/py/bin/python3", "-m", "nbrpc.cluster.relay_engine"]),
+    ("slurm", {}, [sys.executable, "-m", "nbrpc.cluster.relay_engine"]),
+    ("local", {"engine_cmd": ["srun", "-N1", "python3", "-m", "ipyparallel.engine"]},
+     ["srun", "-N1", "python3", "-m", "nbrpc.cluster.relay_engine"]),
+])
+def test_a_relayed_engine_runs_the_launchers_own_interpreter(launcher, options, expected) -> None:
+    """A Cluster swaps the relay's engine into the launcher's own engine
+    command: the SSH launcher's runs ``remote_python`` on the remote host,
+    not this machine's interpreter; a given ``engine_cmd`` keeps its shape."""
+    from nbrpc.cluster import Cluster
+    from nbrpc.cluster.cluster import _Worker
+
+    cluster = Cluster(launcher=launcher, launcher_options=options, host="10.0.0.1",
+                      controller_ip="10.0.0.1", progress=False)
+    cluster._relay = "10.0.0.1:4000"
+    kwargs = cluster._engine_kwargs(_Worker("worker1", 1))
+    assert kwargs["engine_cmd"] == expected
+    assert kwargs["environment"][relay.RELAY_ENV] == "10.0.0.1:4000"
+    other = Cluster(launcher="local", launcher_options={"engine_cmd": ["ipengine"]},
+                    host="10.0.0.1", controller_ip="10.0.0.1", progress=False)
+    other._relay = "10.0.0.1:4000"
+    with pytest.raises(ValueError, match="engine_cmd must run ipyparallel's engine"):
+        other._engine_kwargs(_Worker("worker1", 1))

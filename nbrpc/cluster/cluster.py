@@ -330,7 +330,7 @@ class Cluster:
             env[relay.RELAY_ENV] = self._relay
             if not self._mpi:  # (nbrpc's MPI wrapper starts the relay itself)
                 kwargs["engine_cmd"] = relay.relayed_engine_cmd(
-                    kwargs.get("engine_cmd") or [sys.executable, "-m", "ipyparallel.engine"])
+                    kwargs.get("engine_cmd") or self._default_engine_cmd())
         args = list(kwargs.pop("engine_args", []))
         args += [f"--IPEngine.id={w.rank}", "--IPEngine.enable_nanny=False",
                  "--IPEngine.max_heartbeat_misses=10"]
@@ -342,6 +342,22 @@ class Cluster:
             kwargs.setdefault("stop_seconds_until_kill", 2)
             kwargs.setdefault("stop_timeout", 5)
         return kwargs
+
+    def _default_engine_cmd(self) -> list[str]:
+        """The launcher's own ``engine_cmd`` for its options (the SSH
+        launcher's runs ``remote_python`` on the remote hosts, for example)."""
+        from ipyparallel.cluster.launcher import find_launcher_class
+
+        default = [sys.executable, "-m", "ipyparallel.engine"]
+        try:
+            cls = (find_launcher_class(self.launcher, "engine")
+                   if isinstance(self.launcher, str) else self.launcher)
+            traits = cls.class_trait_names()
+            launcher = cls(**{k: v for k, v in self.launcher_options.items()
+                              if k in traits and k != "engine_cmd"})
+            return list(launcher.engine_cmd) or default
+        except Exception:  # noqa: BLE001 - any launcher ipyparallel may make
+            return default
 
     def _launch(self, ranks: list[tuple[str, int]]) -> None:
         assert self._loop is not None
