@@ -593,6 +593,21 @@ def test_a_relayed_engine_holding_its_gil_stays_registered(own_cluster: None) ->
         assert c.status().workers[1].state == "ready"
 
 
+def test_ipyparallels_curve_passes_through_the_relay(own_cluster: None,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """With ipyparallel's CurveZMQ on (``IPP_ENABLE_CURVE=1``, which turns its
+    message signing off), relayed engines prove the controller's CURVE key to
+    the relay instead of the session key, and CURVE runs end to end."""
+    monkeypatch.setenv("IPP_ENABLE_CURVE", "1")
+    with Cluster(progress=False, launcher="local", controller_ip="127.0.0.1").start(1) as c:
+        sec = Path(c._profile_dir, "security")
+        info = json.loads(next(sec.glob("*engine.json")).read_text())
+        assert info["key"] == "" and info["curve_serverkey"], info.keys()
+        assert c._relay is not None
+        assert c.view("worker1").apply_sync(os.getpid) == c.workers["worker1"].pid
+        assert rpc.rpc_sync("worker1", max, args=(1, 2)) == 2
+
+
 def test_hard_killed_driver_leaves_no_orphans(tmp_path: Path) -> None:
     script = _Script(tmp_path, DRIVER_THEN_SLEEP)
     procs: list[psutil.Process] = []

@@ -145,8 +145,8 @@ def start_relay(host: str, sockets: str, key_file: str, address_file: str) -> ob
     def key_of() -> bytes | None:
         try:
             with open(key_file) as f:
-                return json.load(f)["key"].encode()
-        except (OSError, ValueError, KeyError):
+                return relay.relay_secret(json.load(f))
+        except (OSError, ValueError):
             return None
 
     server = relay.ControllerRelay(host, sockets, key_of).start()

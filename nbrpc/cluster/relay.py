@@ -18,9 +18,10 @@ hosts through a relay pair::
                                                    <profile>/c:<port> only
                                                    after a valid HELLO
 
-The token is ``HMAC(ipyparallel's session key, "nbrpc-controller-relay")``:
-engines hold that key already (it signs every ipyparallel message), so the
-relay asks for nothing new. It crosses the network in clear, as
+The token is ``HMAC(ipyparallel's session key, "nbrpc-controller-relay")``
+(with ipyparallel's CurveZMQ on, which turns signing off, the controller's
+CURVE key stands in for it: :func:`relay_secret`): engines hold it already,
+in their connection info, so the relay asks for nothing new. It crosses the network in clear, as
 ipyparallel's messages do: someone who reads the traffic can replay it (and
 read those messages); ipyparallel's own CurveZMQ, end to end through the
 relay, is the answer on such a network. Before its HELLO a connection costs the relay
@@ -71,6 +72,22 @@ def relay_token(session_key: bytes) -> bytes:
     (32, False)
     """
     return hmac.new(session_key, TOKEN_LABEL, "sha256").digest()
+
+
+def relay_secret(info: dict) -> bytes:
+    """What the relay's token is made from: ipyparallel's session key, which
+    signs its messages, or with its CurveZMQ on (which turns signing off)
+    the controller's CURVE key; both reach engines only in their connection
+    info.
+
+    >>> relay_secret({"key": "abc"}), relay_secret({"key": "", "curve_serverkey": "xyz"})
+    (b'abc', b'xyz')
+    """
+    secret = info.get("key") or info.get("curve_serverkey") or ""
+    if not secret:
+        raise ValueError("ipyparallel's connection info has neither a session key nor a CURVE "
+                         "key: nothing for the controller's relay to check engines against")
+    return secret.encode()
 
 
 def hello(token: bytes, port: int) -> bytes:
@@ -537,7 +554,7 @@ def start_engine_relay(environ: dict[str, str] | os._Environ = os.environ,
         from ..transport import local
 
         directory = local.make_dir()  # (0700; swept once this process is gone)
-    relay = EngineRelay(parse_address(where), relay_token(info["key"].encode()),
+    relay = EngineRelay(parse_address(where), relay_token(relay_secret(info)),
                         channel_ports(info), directory)
     info["interface"] = relay.interface
     environ["IPP_CONNECTION_INFO"] = json.dumps(info)
