@@ -96,7 +96,8 @@ def _cluster_parser() -> _Parser:
     s.add_argument("--host", default=None,
                    help="interface the driver listens on (default: loopback for local "
                         "launchers, else this host's routable address)")
-    s.add_argument("--controller-ip", default=None, help="interface of ipyparallel's controller")
+    s.add_argument("--controller-ip", default=None,
+                   help="interface of the controller's relay, for engines on other hosts")
     sub.add_parser("stop", help="stop every worker and the driver's agent",
                    description="Stop the cluster (bounded: what does not exit is killed).")
     r = sub.add_parser("restart", help="restart one worker (same name and rank), or all",
