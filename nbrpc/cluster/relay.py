@@ -11,28 +11,32 @@ hosts through a relay pair::
     engine host                                  driver host
     ipyparallel engine                           ipyparallel controller
       connects ipc://<private dir>/c:<port>        binds ipc://<profile>/c:<port>
-    EngineRelay (a thread of the engine)         ControllerRelay (a thread of the
-      listens there, and for each connection       guarded controller process)
-      dials the driver's relay and sends  ---->    listens on one TCP port: a
-      HELLO = token + port, then the bytes         connection is spliced to
-                                                   <profile>/c:<port> only
+    EngineRelay (a child process of the          ControllerRelay (a thread of the
+      engine) listens there, and for each          guarded controller process)
+      connection dials the driver's relay  ---->   listens on one TCP port: a
+      and sends HELLO = token + port, then         connection is spliced to
+      the bytes                                    <profile>/c:<port> only
                                                    after a valid HELLO
 
 The token is ``HMAC(ipyparallel's session key, "nbrpc-controller-relay")``
 (with ipyparallel's CurveZMQ on, which turns signing off, the controller's
-CURVE key stands in for it: :func:`relay_secret`): engines hold it already,
-in their connection info, so the relay asks for nothing new. It crosses the network in clear, as
-ipyparallel's messages do: someone who reads the traffic can replay it (and
-read those messages); ipyparallel's own CurveZMQ, end to end through the
-relay, is the answer on such a network. Before its HELLO a connection costs the relay
-``HELLO_LEN`` bytes, for at most ``HELLO_TIMEOUT`` seconds, and at most
-``MAX_WAITING`` connections wait at once (more are closed): a peer without
-the key holds a few kilobytes of the driver, however many connections it
-opens. After it, each direction of a spliced connection holds at most
-``BUFFER`` bytes (reading stops until the other side drains).
+CURVE key stands in for it: :func:`relay_secret`). Engines hold it already,
+in their connection info, so the relay asks for nothing new. It crosses the
+network in clear, as ipyparallel's messages do: someone who reads the
+traffic can replay it (and read those messages); ipyparallel's own
+CurveZMQ, end to end through the relay, is the answer on such a network.
 
-Both ends run one thread each with a selector over non-blocking sockets
-(:class:`Splicer`); ZeroMQ's reconnects become new relayed connections.
+Before its HELLO a connection costs the relay ``HELLO_LEN`` bytes, for at
+most ``HELLO_TIMEOUT`` seconds, and at most ``MAX_WAITING`` connections
+wait at once (more are closed): a peer without the key holds a few
+kilobytes of the driver, however many connections it opens. After it, each
+direction of a spliced connection holds at most ``BUFFER`` bytes (reading
+stops until the other side drains).
+
+Each end serves its sockets on one thread with a selector (:class:`Splicer`);
+ZeroMQ's reconnects become new relayed connections. The engine's end runs
+in a child process (:func:`start_engine_relay`), so that the engine's GIL,
+held by a long C call, never stalls ipyparallel's heartbeats.
 """
 
 from __future__ import annotations
