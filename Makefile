@@ -18,7 +18,7 @@ NBVAL  := --nbval --nbval-current-env --nbval-sanitize-with notebooks/nbval_sani
 CHROMIUM ?= /usr/bin/chromium
 PYTEST   := $(PY) -m pytest -q -rs
 
-.PHONY: lab test test-fast test-notebooks test-torch-suites test-browser test-slurm screenshots system-deps browser-deps lint bench clean
+.PHONY: lab test test-gpu test-fast test-notebooks test-torch-suites test-browser test-slurm screenshots system-deps browser-deps lint bench clean
 
 # $(call install,EXTRAS): the environment, torch first (pinned: an unpinned torch
 # would pull gigabytes of CUDA packages), then nbrpc with EXTRAS.
@@ -81,6 +81,16 @@ test-browser: $(STAMP) browser-deps
 # The README's images: the browser tier's screenshots, written to docs/img.
 screenshots: $(STAMP) browser-deps
 	NBRPC_SCREENSHOTS=$(CURDIR)/docs/img $(PYTEST) tests/test_browser.py
+
+# On a host with a GPU and a CUDA build of torch (not the CPU wheel this
+# environment pins): PyTorch's CUDA RPC suite against nbrpc, the tests that
+# need at most as many GPUs as the host has (make test-gpu GPU_PYTHON=python3).
+# Availability checks ask NVML, so no process that forks workers initializes
+# CUDA first. Without a GPU it says so, and skips.
+GPU_PYTHON ?= $(PY)
+test-gpu:
+	PYTORCH_NVML_BASED_CUDA_CHECK=1 $(GPU_PYTHON) -m pytest -q -rs -p no:cacheprovider \
+	  tests/test_torch_suites.py -k "CudaRpcTest or cuda_suite"
 
 # Debian packages the test tiers drive: Chromium (browser tier), Slurm and munge
 # (slurm tier), Open MPI (mpi tier). Installed when missing and we may (root, or password-less sudo,

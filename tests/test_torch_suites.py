@@ -32,8 +32,12 @@ from pathlib import Path
 
 # Per test, the parent's wait for its 4 processes (PyTorch's default is 300 s).
 os.environ.setdefault("DISTRIBUTED_TESTS_DEFAULT_TIMEOUT", "100")
+# Availability checks ask NVML, not CUDA: the fork server (which imports this
+# module) must not initialize CUDA before it forks the test processes.
+os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
 
 import pytest  # noqa: E402
+import torch  # noqa: E402
 import torch_suites  # noqa: E402
 from torch.testing._internal.common_distributed import MultiProcessTestCase  # noqa: E402
 from torch.testing._internal.distributed.nn.api import remote_module_test  # noqa: E402
@@ -60,6 +64,13 @@ SUITES = [rpc_test.RpcTest, dist_autograd_test.DistAutogradTest,
           remote_module_test.ThreeWorkersRemoteModuleTest,
           parameter_server_test.ParameterServerTest,
           reinforcement_learning_rpc_test.ReinforcementLearningRpcTest]
+
+# PyTorch's CUDA RPC tests, where this host has a GPU (``make test-gpu``): those
+# that need more GPUs than it has are left out, with that reason.
+GPUS = torch.cuda.device_count()  # (NVML: CUDA is not initialized)
+CUDA_NEEDS = torch_suites.gpus_needed(rpc_test.TensorPipeAgentCudaRpcTest)
+if GPUS:
+    SUITES.append(rpc_test.TensorPipeAgentCudaRpcTest)
 
 _FORKSERVER = multiprocessing.get_context("forkserver")
 # The fork server imports these once; every test process is forked from it.
@@ -124,7 +135,8 @@ def _make(suite: type) -> type:
     name = suite.__name__
     tests = [t for t in dir(suite) if t.startswith("test") and callable(getattr(suite, t))]
     # A name set to None is no test: neither pytest nor the processes see it.
-    dropped = {t: None for t in tests if not torch_suites.runs(name, t)}
+    dropped = {t: None for t in tests if not torch_suites.runs(name, t)
+               or (name == torch_suites.CUDA_SUITE and CUDA_NEEDS.get(t, 0) > GPUS)}
     cls = type(f"Nbrpc{name}", (suite, NbrpcAgentTestFixture, ForkServerHelper), dropped)
     cls.__module__ = __name__
     return cls
@@ -134,6 +146,16 @@ for _suite in SUITES:
     _cls = _make(_suite)
     globals()[_cls.__name__] = _cls
 del _suite, _cls
+
+@pytest.mark.skipif(GPUS > 0, reason="this host has a GPU: the suite runs above")
+def test_cuda_suite_needs_a_gpu() -> None:
+    """Without a GPU, PyTorch's CUDA RPC suite does not run: say so in the
+    skip list, with what a GPU host would run."""
+    one = sum(1 for n in CUDA_NEEDS.values() if n <= 1)
+    pytest.skip(f"no CUDA device here: PyTorch's {torch_suites.CUDA_SUITE} ({one} tests need at "
+                f"most one GPU, {len(CUDA_NEEDS) - one} need 2 or 4) runs where "
+                "torch.cuda.device_count() >= 1 (make test-gpu)")
+
 
 if "torch_alias" not in sys.modules:  # this pytest process: check the lists are current
     torch_suites.check_names({s.__name__: {t for t in dir(s) if t.startswith("test")}

@@ -292,3 +292,27 @@ def check_names(tests: dict[str, set[str]]) -> None:
         for suite, names in table.items():
             unknown = set(names) - tests.get(suite, set())
             assert not unknown, f"tests/torch_suites.py lists unknown {suite} tests: {unknown}"
+
+
+CUDA_SUITE = "TensorPipeAgentCudaRpcTest"
+
+
+def gpus_needed(suite: type) -> dict[str, int]:
+    """How many GPUs each test of ``suite`` needs, from its
+    ``@skip_if_lt_x_gpu(n)`` decorators (0 where it has none).
+
+    >>> from torch.testing._internal.distributed.rpc import rpc_test
+    >>> needs = gpus_needed(rpc_test.TensorPipeAgentCudaRpcTest)
+    >>> sum(1 for n in needs.values() if n <= 1), needs["test_device_map_cpu"]
+    (35, 0)
+    """
+    import inspect
+    import re
+
+    source = inspect.getsource(suite)
+    needs = {t: 0 for t in dir(suite) if t.startswith("test")}
+    for m in re.finditer(r"((?:[ \t]*@[^\n]+\n)+)[ \t]*def (test\w+)", source):
+        gpus = re.search(r"skip_if_lt_x_gpu\((\d+)\)", m.group(1))
+        if gpus and m.group(2) in needs:
+            needs[m.group(2)] = int(gpus.group(1))
+    return needs
