@@ -150,10 +150,11 @@ def test_a_wide_matrix_keeps_its_column_names_apart() -> None:
     assert len({shown for shown, _ in heads}) == 16, heads  # cut in the middle, not the end
 
 
-@pytest.mark.parametrize("workers", [3, 10, 16, 33])
-def test_the_map_fits_a_notebook_column_up_to_thirty_three_workers(workers: int) -> None:
+@pytest.mark.parametrize("workers", [3, 10, 16, 33, 48, 64])
+def test_the_map_fits_a_notebook_column_up_to_sixty_four_workers(workers: int) -> None:
     """Side by side while bars and matrix fit 900 px together; else the
-    matrix goes under the bars, its rows as clickable as theirs."""
+    matrix goes under the bars, its rows as clickable as theirs; past 36
+    holders its cells show their counts on hover only, under upright names."""
     import re
 
     from nbrpc.jupyter.owner_map_view import PAGE_W, owner_map_svg
@@ -171,3 +172,10 @@ def test_the_map_fits_a_notebook_column_up_to_thirty_three_workers(workers: int)
     shown = [s for s, full in heads if full != "driver"]
     assert all(s.startswith("worker") for s in shown) or all(
         re.fullmatch(r"w\d+", s) for s in shown), shown  # one form, not worker9 then w10
+    upright = re.findall(r'<text [^>]*transform="rotate\(-90[^>]*>([^<]*)<title>', svg)
+    counts = re.findall(r'<text x="[\d.]+" y="\d+" text-anchor="middle">\d+</text>', svg)
+    if workers > 36:
+        assert len(upright) == workers and not heads and not counts, (upright[:3], counts[:3])
+        assert all(re.fullmatch(r"w\d+|d…er", s) for s in upright), upright
+    else:
+        assert not upright and len(heads) == workers and counts

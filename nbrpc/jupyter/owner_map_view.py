@@ -42,6 +42,8 @@ OWNER_ONLY_COLOUR = "#d0d0d0"
 CELL_COLOUR, CELL_SHADE = "#0072B2", (0.08, 0.55)
 CHAR_W, BOLD_W = 6.6, 7.4  # px a character of 11 px sans-serif takes at most (bold)
 PAGE_W = 900  # px of a notebook's output column, which the map fits where it can
+COUNT_W = 22  # px a matrix cell needs to show its count (narrower: on hover only)
+TIGHT_CHARS = 4  # characters of an upright column name (w17, w123)
 
 
 def holders_of(omap: dict[str, list[dict[str, Any]]]) -> list[str]:
@@ -111,9 +113,10 @@ def column_label(name: str, width: int) -> str:
 def owner_map_svg(omap: dict[str, list[dict[str, Any]]], max_workers: int = MAX_WORKERS) -> str:
     """The bars (bytes owned, by holder) and the owner × holder matrix as one
     SVG: side by side where both fit a notebook's column (``PAGE_W``), else
-    the matrix under the bars, its columns narrowed to fit (down to 22 px,
-    where names give way to their numbers: ``worker17`` -> ``w17``, the full
-    name on hover)."""
+    the matrix under the bars, its columns narrowed to fit (names give way to
+    their numbers: ``worker17`` -> ``w17``, the full name on hover). Below
+    ``COUNT_W`` px a column shows its counts on hover only, under an upright
+    name."""
     owners = list(omap)[:max_workers]
     holders = holders_of(omap)[:max_workers]
     colours = {h: PALETTE[i % len(PALETTE)] for i, h in enumerate(holders)}
@@ -124,24 +127,29 @@ def owner_map_svg(omap: dict[str, list[dict[str, Any]]], max_workers: int = MAX_
     heading = "values held (owner row → holder column)"
     n = max(1, len(holders))
     side = name_w + bar_w + 100 + 44 * n + 10 <= PAGE_W
+    fit = (PAGE_W - name_w - 10) // n  # px a column may take under the bars
+    tight = not side and fit < COUNT_W  # too narrow for counts: names turned upright
+    lift = int(CHAR_W * TIGHT_CHARS) + 6 if tight else 0  # room for upright names
     if side:  # the matrix right of the bars
         mx, my, cell_w = name_w + bar_w + 100, top, min(80, max(44, 440 // n))
     else:  # under them, as wide as the column allows
-        mx, my = name_w, top + row * len(owners) + 24 + top
-        cell_w = max(22, min(80, (PAGE_W - name_w - 10) // n))
+        mx, my = name_w, top + row * len(owners) + 24 + top + lift
+        cell_w = max(10, min(80, fit))
     width = max(name_w + bar_w + 100, mx + max(cell_w * len(holders), BOLD_W * len(heading)) + 10)
     height = my + row * len(owners) + 40
     parts = [f'<text x="{name_w}" y="14" font-weight="bold">bytes owned, by holder</text>',
-             f'<text x="{mx}" y="{my - top + 14}" font-weight="bold">{esc(heading)}</text>']
-    chars = max(3, int((cell_w - 2) / CHAR_W))
+             f'<text x="{mx}" y="{my - top - lift + 14}" font-weight="bold">'
+             f"{esc(heading)}</text>"]
+    chars = TIGHT_CHARS if tight else max(3, int((cell_w - 2) / CHAR_W))
     numbered = [bool(re.fullmatch(r"\D+\d+", h)) for h in holders]
     short = any(len(h) > chars for h, num in zip(holders, numbered) if num)
     for j, h in enumerate(holders):
         cx = mx + j * cell_w + cell_w / 2
         # one form for all numbered names: w9, w10, not worker9, w10
         shown = column_label(h, min(chars, len(h) - 1) if short and numbered[j] else chars)
-        parts.append(f'<text x="{cx:.0f}" y="{my - 8}" text-anchor="middle">'
-                     f"{esc(shown)}<title>{esc(h)}</title></text>")
+        where = (f'x="{cx + 4:.0f}" y="{my - 6}" transform="rotate(-90 {cx + 4:.0f} {my - 6})"'
+                 if tight else f'x="{cx:.0f}" y="{my - 8}" text-anchor="middle"')
+        parts.append(f"<text {where}>{esc(shown)}<title>{esc(h)}</title></text>")
     biggest_cell = max([b for _, b in cells.values()] + [1])
     for i, owner in enumerate(owners):
         y, ym = top + i * row, my + i * row
@@ -180,7 +188,7 @@ def owner_map_svg(omap: dict[str, list[dict[str, Any]]], max_workers: int = MAX_
                 f'fill="{CELL_COLOUR}" fill-opacity="{shade:.2f}" {RULE}><title>{esc(h)} holds '
                 f"{debug.plural(n_held, 'value')} of {esc(owner)}: {fmt_bytes(b)}</title></rect>"
                 + (f'<text x="{cx + cell_w / 2:.0f}" y="{ym + 15}" text-anchor="middle">'
-                   f"{n_held}</text>" if n_held else ""))
+                   f"{n_held}</text>" if n_held and not tight else ""))
         parts.append("</g>")
     more = len(omap) - len(owners)
     y = my + row * len(owners) + 16
