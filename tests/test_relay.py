@@ -12,7 +12,6 @@ import subprocess
 import sys
 import textwrap
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -238,7 +237,8 @@ def test_an_engines_relay_serves_while_the_engine_holds_its_gil_and_goes_with_it
         child = int(engine.stdout.readline())
         engine.stdin.write("hold\n")
         engine.stdin.flush()
-        time.sleep(0.5)  # (lets the engine enter its GIL hold)
+        poll_or_fail(lambda: "nanosleep" in Path(f"/proc/{engine.pid}/wchan").read_text(), 10,
+                     "the engine to be inside its C sleep, the GIL held")
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
             s.settimeout(5)
             s.connect(str(tmp_path / "mine" / f"c:{PORT}"))

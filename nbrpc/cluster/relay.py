@@ -259,7 +259,8 @@ class Splicer:
         self._run(done)
 
     def close(self) -> None:
-        """Close every socket of a splicer that will not run here."""
+        """Close every socket of the splicer (its loop's last act; or, for a
+        splicer that runs in another process, this process's copies)."""
         for key in list(self._sel.get_map().values()):
             key.fileobj.close()
         self._sel.close()
@@ -297,12 +298,7 @@ class Splicer:
         except Exception:  # a bug here must not pass silently
             log.exception("%s: the relay's loop failed", self.name)
         finally:
-            for key in list(self._sel.get_map().values()):
-                if key.fileobj is not self._wake_r:
-                    key.fileobj.close()
-            self._sel.close()
-            self._wake_r.close()
-            self._wake_w.close()
+            self.close()
 
     def _accept(self, listener: socket.socket, on_accept: Callable[[socket.socket], None]
                 ) -> None:
@@ -498,7 +494,6 @@ class EngineRelay:
 RELAY_ENV = "NBRPC_CONTROLLER_RELAY"  # host:port of the driver's relay, for engines
 ENGINE = "-m ipyparallel.engine"
 RELAYED_ENGINE = "-m nbrpc.cluster.relay_engine"  # the relay, then the engine
-_engine_relay: list[EngineRelay] = []
 
 
 def relayed_engine_cmd(cmd: list[str]) -> list[str]:
@@ -565,7 +560,7 @@ def start_engine_relay(environ: dict[str, str] | os._Environ = os.environ,
     if fork:
         relay.pid = _fork_relay(relay)
     else:
-        _engine_relay.append(relay.start())
+        relay.start()
     log.info("ipyparallel's controller reached through the relay at %s", where)
     return relay
 
