@@ -176,6 +176,7 @@ def test_the_map_fits_a_notebook_column_up_to_sixty_four_workers(workers: int) -
     counts = re.findall(r'<text x="[\d.]+" y="\d+" text-anchor="middle">\d+</text>', svg)
     if workers > 36:
         assert len(upright) == workers and not heads and not counts, (upright[:3], counts[:3])
+        assert "; counts on hover" in svg
         assert all(re.fullmatch(r"w\d+|d…er", s) for s in upright), upright
     else:
         assert not upright and len(heads) == workers and counts

@@ -130,6 +130,8 @@ def owner_map_svg(omap: dict[str, list[dict[str, Any]]], max_workers: int = MAX_
     fit = (PAGE_W - name_w - 10) // n  # px a column may take under the bars
     tight = not side and fit < COUNT_W  # too narrow for counts: names turned upright
     lift = int(CHAR_W * TIGHT_CHARS) + 6 if tight else 0  # room for upright names
+    if tight:
+        heading += "; counts on hover"
     if side:  # the matrix right of the bars
         mx, my, cell_w = name_w + bar_w + 100, top, min(80, max(44, 440 // n))
     else:  # under them, as wide as the column allows
