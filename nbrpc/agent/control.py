@@ -98,13 +98,12 @@ class Control:
             if msg.error:
                 self.join_error = msg.error
             else:
-                back = (self.coordinator is None and self.agent.state == "ready"
-                        and 0 not in self.members)
-                self.agent.set_members(msg.members)
-                if back:  # the coordinator it had given up on answered its Join
+                if (self.coordinator is None and self.agent.state == "ready"
+                        and 0 not in self.members):  # the coordinator it gave up on answered
                     log.warning("nbrpc agent %r: back in the group (the coordinator answered)",
                                 self.name)
-                    self.readmitted += 1
+                    self.readmitted += 1  # (counted before the table shows it back)
+                self.agent.set_members(msg.members)
                 if self.coordinator is not None:
                     self.coordinator.watch_all(now)
                 if self.agent.state == "joining":  # peers may call us from now on
