@@ -12,6 +12,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -33,12 +34,16 @@ class Echo:
         self.server.listen(16)
         self.server.settimeout(0.2)
         self.accepted = 0
+        self.accepting = threading.Event()  # cleared: a controller too busy to accept
+        self.accepting.set()
         self._stop = False
         self._thread = threading.Thread(target=self._serve, daemon=True)
         self._thread.start()
 
     def _serve(self) -> None:
         while not self._stop:
+            if not self.accepting.wait(0.2):
+                continue
             try:
                 conn, _ = self.server.accept()
             except OSError:
@@ -120,6 +125,28 @@ def test_many_connections_each_get_their_own_channel(ends) -> None:
             s.close()
     poll_or_fail(lambda: driver.pairs == 0, 5, "every pair to close")
     assert driver.refused == 0
+
+
+def test_a_controller_with_a_full_backlog_is_dialled_again(ends, tmp_path: Path) -> None:
+    """A Unix listener whose backlog is full refuses a non-blocking connect
+    (EAGAIN): an engine's burst of channels while the controller is busy.
+    The driver's end tries again until the controller accepts."""
+    driver, engine, echo = ends
+    echo.accepting.clear()
+    time.sleep(0.5)  # its accept() under way, with a 0.2 s timeout, returns
+    socks = [_through(engine) for _ in range(24)]  # more than the backlog of 16
+    try:
+        for i, s in enumerate(socks):
+            s.sendall(b"%d" % i)
+        time.sleep(0.5)  # the driver's end is refused meanwhile, and waits
+        assert echo.accepted == 0
+        echo.accepting.set()
+        for i, s in enumerate(socks):
+            assert _recv_exactly(s, len(b"%d" % i)) == b"%d" % i
+        assert echo.accepted == 24 and driver.pairs == 24 and driver.refused == 0
+    finally:
+        for s in socks:
+            s.close()
 
 
 def _raw(driver: relay.ControllerRelay) -> socket.socket:

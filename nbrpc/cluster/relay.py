@@ -62,6 +62,8 @@ TOKEN_LEN = 32
 HELLO_LEN = TOKEN_LEN + 2  # token, then the controller port (big-endian)
 HELLO_TIMEOUT = 10.0  # seconds a connection has to send its HELLO
 MAX_WAITING = 64  # connections without a HELLO yet, at most
+DIAL_TIMEOUT = 5.0  # seconds to reach a controller channel whose backlog is full
+DIAL_RETRY = 0.01  # seconds between those tries
 BUFFER = 1 << 18  # bytes held per direction of a spliced connection
 _READ = 1 << 16  # bytes read at once
 # The controller's channels in an engine's connection info (ports or lists of ports).
@@ -423,11 +425,27 @@ class ControllerRelay:
             self._refuse(conn, "not the cluster's key")
             return
         port = int.from_bytes(got[TOKEN_LEN:], "big")
-        path = f"{self.sockets}:{port}"
+        self._dial(conn, f"{self.sockets}:{port}", time.monotonic() + DIAL_TIMEOUT)
+
+    def _dial(self, conn: socket.socket, path: str, deadline: float) -> None:
+        """Splice ``conn`` to the controller's channel at ``path``. A Unix
+        socket whose listen backlog is full refuses a non-blocking connect
+        with EAGAIN (a burst of an engine's channels, the controller busy):
+        try again every ``DIAL_RETRY`` s until ``deadline``, off the loop's
+        back. Until then ``conn`` is not read (its bytes wait in the kernel)."""
         target = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        target.setblocking(False)
         try:
-            target.settimeout(2)
-            target.connect(path)
+            target.connect(path)  # a Unix socket connects at once, or not at all
+        except BlockingIOError:
+            target.close()
+            if time.monotonic() < deadline:
+                self._splicer.later(DIAL_RETRY, lambda: self._dial(conn, path, deadline))
+                return
+            log.warning("controller relay: the controller's channel at %s accepted nothing "
+                        "for %g s (its listen backlog stays full)", path, DIAL_TIMEOUT)
+            conn.close()
+            return
         except OSError as e:
             target.close()
             log.warning("controller relay: no controller channel at %s: %s", path, e)
