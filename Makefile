@@ -90,7 +90,7 @@ screenshots: $(STAMP) browser-deps
 GPU_PYTHON ?= $(PY)
 test-gpu:
 	PYTORCH_NVML_BASED_CUDA_CHECK=1 $(GPU_PYTHON) -m pytest -q -rs -p no:cacheprovider \
-	  tests/test_torch_suites.py -k "CudaRpcTest or cuda_suite"
+	  tests/test_cuda.py tests/test_torch_suites.py -k "cuda or CudaRpcTest or cuda_suite"
 
 # Debian packages the test tiers drive: Chromium (browser tier), Slurm and munge
 # (slurm tier), Open MPI (mpi tier). Installed when missing and we may (root, or password-less sudo,

@@ -15,7 +15,8 @@ subclasses ``RuntimeError`` too, so code written against
     ├── WorkerGoneError            the peer left the group or died
     ├── SerializationError         an argument or result could not be pickled
     │   ├── CodeCacheMiss          a request named code by hash the callee no longer has
-    │   └── MessageTooLargeError   more bytes than the receiver's max_message_size
+    │   ├── MessageTooLargeError   more bytes than the receiver's max_message_size
+    │   └── DeviceRouteError       a tensor on a device no device map sends anywhere
     ├── RendezvousError            init_rpc could not form the group
     │   └── DeviceMapError         the group's device maps do not fit (also a ValueError)
     ├── ShutdownError              the agent is shutting down
@@ -147,6 +148,25 @@ class MessageTooLargeError(SerializationError):
 
     def __reduce__(self):
         return (MessageTooLargeError, (self.args[0], self.size, self.limit, self.worker))
+
+
+class DeviceRouteError(SerializationError):
+    """A tensor on a device that no device map sends to its destination (a
+    CUDA tensor with no map to that worker, or a reply tensor on a device the
+    caller's map does not name). PyTorch's words first (it raises a
+    ``RuntimeError``), then what to set. Only the one call fails.
+
+    >>> import pickle
+    >>> e = pickle.loads(pickle.dumps(DeviceRouteError("Request device mapping ...", "w1")))
+    >>> isinstance(e, RuntimeError), e.worker
+    (True, 'w1')
+    """
+
+    def __init__(self, message: str, worker: str | None = None) -> None:
+        super().__init__(message, None, worker)
+
+    def __reduce__(self) -> tuple:
+        return DeviceRouteError, (self.args[0], self.worker)
 
 
 class CodeCacheMiss(SerializationError):

@@ -189,11 +189,95 @@ def test_init_rpc_checks_device_maps_as_tensorpipe_does(maps, expect, tmp_path) 
         assert ours == expect
 
 
-def test_a_tensor_off_the_cpu_is_refused_with_the_way_round_it() -> None:
-    """Until CUDA tensors travel, one is refused when pickled (the meta device stands
-    in for a GPU: every machine has it), naming its device and what to do instead."""
+def test_a_tensor_on_a_device_nbrpc_does_not_move_is_refused_with_the_way_round_it() -> None:
+    """CPU tensors travel, and CUDA ones along device maps; another device's (the
+    meta device: every machine has it) is refused when pickled, naming its
+    device and what to do instead."""
     from nbrpc.errors import SerializationError
     from nbrpc.serialize import dumps
 
-    with pytest.raises(SerializationError, match=r"META tensors yet \(got one on meta\).*\.cpu\(\)"):
+    with pytest.raises(SerializationError, match=r"tensor on meta: move it with \.cpu\(\)"):
         dumps({"x": torch.empty(3, device="meta")})
+
+
+# -- where each tensor of a message lands -----------------------------------------------
+# PyTorch's texts, as its CUDA RPC tests match them (rpc_test.py)
+NO_REQUEST_MAP = ("TensorPipe RPC backend only supports CPU tensors by default.*"
+                  "`set_device_map` on `TensorPipeRpcBackendOptions`")
+NO_RESPONSE_MAP = "Response device mapping is not available"
+
+
+@pytest.mark.parametrize("device, mapping, is_request, lands", [
+    ("cpu", None, True, "cpu"),  # CPU tensors need no map
+    ("cpu", {"cuda:0": "cuda:1"}, True, "cpu"),  # nor a map that does not name "cpu"
+    ("cpu", {"cpu": "cuda:0"}, True, "cuda:0"),  # test_device_map_cpu_to_gpu_default
+    ("cuda:0", {"cuda:0": "cpu"}, True, "cpu"),  # test_device_map_gpu_to_cpu_default
+    ("cuda:1", {"cuda:0": "cuda:1", "cuda:1": "cuda:0"}, False, "cuda:0"),
+    ("cuda:0", None, True, NO_REQUEST_MAP),  # test_device_maps_missing_config
+    ("cuda:0", None, False, NO_RESPONSE_MAP),  # ..._missing_config_response
+    ("cuda:1", {"cuda:0": "cuda:0"}, True, "Request device mapping is not available for "
+                                           "destination w1 for device cuda:1 but received"),
+])
+def test_each_tensor_lands_where_pytorchs_rules_put_it(device, mapping, is_request, lands
+                                                     ) -> None:
+    from nbrpc.agent.devices import target_device
+    from nbrpc.errors import DeviceRouteError
+
+    if lands.startswith(("cpu", "cuda")):
+        assert target_device(device, mapping, "w1", is_request, "w0") == lands
+        return
+    with pytest.raises(DeviceRouteError, match=lands) as e:
+        target_device(device, mapping, "w1", is_request, "w0")
+    assert isinstance(e.value, RuntimeError) and e.value.worker == "w1"
+    assert "\nnbrpc: " in str(e.value)  # then nbrpc's advice
+
+
+class _Message:
+    """A message's context as a reducer sees it: maps "cpu" to a GPU."""
+
+    maps_cpu = True
+    undo = None
+
+    def __init__(self, lands: str) -> None:
+        self.lands = lands
+
+    def target(self, device: str) -> str:
+        return self.lands if device == "cpu" else device
+
+
+@pytest.mark.parametrize("lands", ["cuda:0", "cpu"])
+def test_a_cpu_tensor_a_map_sends_to_a_gpu_is_copied_there_on_arrival(monkeypatch, lands) -> None:
+    """Pickling asks the message's map where a CPU tensor lands; the receiver puts
+    it there before autograd sees it (the copy is stood in for: no GPU here)."""
+    from nbrpc.serialize import dumps, loads, pickler
+
+    moved: list[str] = []
+
+    def onto(t: torch.Tensor, device: str) -> torch.Tensor:
+        moved.append(device)
+        return t.clone()
+
+    monkeypatch.setattr(pickler, "_onto", onto)
+    x = torch.arange(6.0).reshape(2, 3).requires_grad_()
+    got = loads(*dumps({"x": x, "view": x.detach().t()}, _Message(lands)))
+    assert moved == ([lands, lands] if lands != "cpu" else [])
+    assert torch.equal(got["x"], x) and got["x"].requires_grad
+    assert torch.equal(got["view"], x.detach().t())
+
+
+def test_requests_follow_the_senders_map_and_answers_the_callers_inverted() -> None:
+    """Each agent's routes, in a group whose maps name only the CPU (all this
+    machine has); the agents share this process, so each is "process" to the
+    other."""
+    from conftest import local_group
+
+    w0 = DeviceConfig(0, (("w1", (("cpu", "cpu"),)),))
+    with local_group(["w0", "w1"], per_rank={0: {"devices": w0}}) as (a0, a1):
+        assert a0.device_map_to(1, reply=False) == {"cpu": "cpu"}
+        assert a0.device_map_to(1, reply=True) is None  # w1 has no map to w0
+        assert a1.device_map_to(0, reply=True) == {"cpu": "cpu"}  # w0's map, inverted
+        assert a1.device_map_to(0, reply=False) is None
+        assert a0.cpu_mapped and a1.cpu_mapped
+        assert a0.peer_place(1) == a1.peer_place(0) == a0.peer_place(0) == "process"
+        assert torch.equal(a0.rpc_sync("w1", torch.add, (torch.ones(2), 1)), torch.full((2,), 2.))
+        assert torch.equal(a1.rpc_sync("w0", torch.add, (torch.ones(2), 2)), torch.full((2,), 3.))

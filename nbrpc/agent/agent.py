@@ -51,6 +51,7 @@ from typing import Any
 from ..errors import DeviceMapError, NotInitializedError, RendezvousError
 from ..serialize import CodeCache, parallel_copy
 from ..transport import Envelope, IOLoop, shm
+from ..transport.local import same_identity
 from . import devices, gcfreeze
 from .callee import Callee
 from .caller import Caller
@@ -78,6 +79,7 @@ from .wire import (  # noqa: F401 (the names upper layers import from here)
 log = logging.getLogger(__name__)
 
 _EXTENSIONS: list[Callable[[Agent], None]] = []
+_IN_THIS_PROCESS: set[int] = set()  # the incarnations of the agents made in this process
 
 _local = threading.local()  # .agent: the agent of an agent's own threads
 
@@ -157,6 +159,12 @@ class Agent:
         if rank == 0:  # the coordinator draws the run every message of the group is signed for
             self.io.run = secrets.randbits(63) or 1
         self.device_plan = devices.DevicePlan()  # set once the members are known
+        # where tensors go: (peer, is an answer) -> device map, or None (filled as
+        # used, emptied as members change); does any map here name "cpu"
+        self._routes: dict[tuple[int, bool], dict[str, str] | None] = {}
+        self.cpu_mapped = bool(opts.devices) and any(
+            "cpu" in dict(pairs) for _, pairs in opts.devices.maps)
+        _IN_THIS_PROCESS.add(self.io.incarnation)
         self.pool = WorkerPool(opts.num_worker_threads, f"nbrpc-worker[{name}]",
                                self._adopt_thread, self.io.call_later)
         self.events = EventLog(opts.event_log_size)
@@ -302,8 +310,39 @@ class Agent:
 
     def add_member(self, m: Member) -> None:
         self.members.add(m)
+        self._routes.clear()
+        if m.devices is not None and "cpu" in m.devices.map_to(self.name).values():
+            self.cpu_mapped = True  # its answers' CPU tensors may come from a GPU here
         if m.rank != self.rank:
             self.io.set_address(m.rank, m.address, m.local)
+
+    # -- where tensors go --------------------------------------------------------
+    def device_map_to(self, peer: int, reply: bool) -> dict[str, str] | None:
+        """The device map a message to ``peer`` follows: for a request, this
+        agent's map to it; for an answer, the caller's map to this agent,
+        inverted (PyTorch's reverse device map). None where there is none."""
+        key = (peer, reply)
+        try:
+            return self._routes[key]
+        except KeyError:
+            pass
+        if reply:
+            m = self.members.get(peer)
+            pairs = m.devices.map_to(self.name) if m is not None and m.devices else {}
+            found = devices.inverse(pairs.items()) or None
+        else:
+            mine = self.me.devices
+            found = (mine.map_to(self.members.peer_name(peer)) if mine else {}) or None
+        self._routes[key] = found
+        return found
+
+    def peer_place(self, peer: int) -> str:
+        """Where ``peer`` runs: ``"process"`` (this process), ``"host"`` (this
+        host, as this user: CUDA IPC and shared memory reach it) or ``"remote"``."""
+        m = self.members.get(peer)
+        if peer == self.rank or (m is not None and m.incarnation in _IN_THIS_PROCESS):
+            return "process"
+        return "host" if m is not None and same_identity(m.local) else "remote"
 
     def expel(self, rank: int, dead: bool = True, why: str | None = None) -> None:
         """Coordinator only: drop ``rank`` from the group now, as the failure
@@ -325,6 +364,7 @@ class Agent:
 
     def remove_member(self, rank: int, dead: bool = False, why: str | None = None) -> None:
         why = why or ("died" if dead else "left the group")
+        self._routes.clear()
         m = self.members.remove(rank, why)
         if m is None:
             return
@@ -459,6 +499,7 @@ class Agent:
         """Stop this agent's threads; calls still waiting fail."""
         self.state = "stopped"
         self.io.stop()
+        _IN_THIS_PROCESS.discard(self.io.incarnation)
         if self._gc_held:
             self._gc_held = False
             gcfreeze.release()

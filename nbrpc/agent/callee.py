@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from ..errors import SerializationError
+from ..errors import DeviceRouteError, SerializationError
 from ..serialize import a_type, dumps, find_unpicklable, loads
 from ..transport import Envelope
 from ..transport.channel import ChannelClosed
@@ -205,19 +205,19 @@ class Callee:
             if pending:
                 reply = dataclasses.replace(reply, pending=pending)
         # tensors in the reply are recorded under the tag
-        wire = MessageContext(self.agent, peer, tag)
+        wire = MessageContext(self.agent, peer, tag, reply=True)
         try:
             payload, buffers = dumps(reply, wire)
         except SerializationError as e:
             wire.unsent()
-            wire = MessageContext(self.agent, peer)
-            if type(reply) is Ok:  # name the value, not the wrapper it travels in
-                e = self._unpicklable_result(reply.value, what or op, e)
+            wire = MessageContext(self.agent, peer, reply=True)
+            if type(reply) is Ok and not isinstance(e, DeviceRouteError):
+                e = self._unpicklable_result(reply.value, what or op, e)  # (its value's name)
             payload, buffers = dumps(pack_error(e, self.name), wire)
         over = oversize(payload, buffers, self.members.get(peer))
         if over is not None:  # the caller would drop it unread: answer with why instead
             wire.unsent()
-            wire = MessageContext(self.agent, peer)
+            wire = MessageContext(self.agent, peer, reply=True)
             name = self.members.peer_name(peer)
             e = too_large(f"the answer to {what or op}() from {self.name!r}", *over, name)
             reply = dataclasses.replace(pack_error(e, self.name),

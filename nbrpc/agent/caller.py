@@ -21,7 +21,13 @@ from collections.abc import Callable
 from functools import partial
 from typing import Any
 
-from ..errors import RpcTimeoutError, SerializationError, ShutdownError, WorkerGoneError
+from ..errors import (
+    DeviceRouteError,
+    RpcTimeoutError,
+    SerializationError,
+    ShutdownError,
+    WorkerGoneError,
+)
 from ..serialize import dumps, loads
 from ..transport import Envelope
 from ..transport.channel import Channel, ChannelClosed
@@ -137,6 +143,9 @@ class Caller:
         wire = MessageContext(self.agent, peer, tag, refs_ok=True)
         try:
             payload, buffers = dumps(msg if tag is None else (Tag(tag), msg), wire)
+        except DeviceRouteError:
+            wire.unsent()
+            raise  # (PyTorch's words: the tensor is on a device no map sends)
         except SerializationError:
             wire.unsent()
             verb = msg.op if msg.op != "call" else "rpc_sync" if sync else "rpc_async"

@@ -30,7 +30,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-from ..errors import DeviceMapError
+from ..errors import DeviceMapError, DeviceRouteError
 from .messages import fast_pickle
 
 Map = tuple[tuple[str, str], ...]  # (local device, remote device) pairs
@@ -150,3 +150,64 @@ def plan(me: str, configs: Mapping[str, DeviceConfig]) -> DevicePlan:
         found = {pair[0] for _, pairs in (*mine.maps, *reverse) for pair in pairs}
         devices = [d for d in found if d != "cpu"]
     return DevicePlan(reverse, tuple(sorted(devices, key=_index)))
+
+
+# -- where each tensor of a message lands ---------------------------------------
+_NO_MAP = ("TensorPipe RPC backend only supports CPU tensors by default, please move your "
+           "tensors to CPU before sending them over RPC, or call `set_device_map` on "
+           "`TensorPipeRpcBackendOptions` to explicitly configure device mapping. "
+           "{kind} device mapping is not available for destination {peer}")
+
+
+def target_device(device: str, mapping: Mapping[str, str] | None, peer: str,
+                  request: bool, me: str = "") -> str:
+    """Where a tensor on ``device`` lands at ``peer``: PyTorch's
+    ``getDevicesForRemote``. A request follows the sender's map to ``peer``, a
+    reply the inverse of the caller's map (``mapping`` is that, or None where
+    there is none). A CPU tensor stays on the CPU unless the map names
+    ``"cpu"``; any other device must be in the map.
+
+    >>> target_device("cpu", None, "w1", True), target_device("cpu", {"cpu": "cuda:0"}, "w1", True)
+    ('cpu', 'cuda:0')
+    >>> target_device("cuda:1", {"cuda:1": "cpu"}, "w1", True)
+    'cpu'
+    >>> target_device("cuda:0", None, "w1", True)  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    nbrpc.errors.DeviceRouteError: TensorPipe RPC backend only supports CPU tensors by default, ... Request device mapping is not available for destination w1, but found tensor on device: cuda:0
+    nbrpc: ...
+    """
+    if not mapping:
+        if device == "cpu":
+            return "cpu"
+        raise DeviceRouteError(_NO_MAP.format(kind="Request" if request else "Response",
+                                              peer=peer)
+                               + f", but found tensor on device: {device}"
+                               + _advice(device, peer, request, me), peer)
+    target = mapping.get(device)
+    if target is not None:
+        return target
+    if device == "cpu":
+        return "cpu"
+    raise DeviceRouteError(_NO_MAP.format(kind="Request" if request else "Response", peer=peer)
+                           + f" for device {device} but received a tensor on that device."
+                           + _advice(device, peer, request, me), peer)
+
+
+def _advice(device: str, peer: str, request: bool, me: str) -> str:
+    if request:
+        return (f"\nnbrpc: give this worker a map for {device}, e.g. "
+                f"options.set_device_map({peer!r}, {{{device!r}: 'cuda:0'}}) before init_rpc "
+                "(replies come back along the same map, inverted); or send .cpu().")
+    return (f"\nnbrpc: the result holds a tensor on {device}, which the caller's map to "
+            f"{me or 'this worker'} does not name: add {{...: {device!r}}} to "
+            f"{peer!r}'s set_device_map({me or 'this worker'!r}, ...), or return .cpu().")
+
+
+def inverse(pairs: Iterable[tuple[str, str]]) -> dict[str, str]:
+    """A map read backwards: where a reply's tensors go.
+
+    >>> inverse({"cuda:0": "cuda:1", "cpu": "cuda:0"}.items())
+    {'cuda:1': 'cuda:0', 'cuda:0': 'cpu'}
+    """
+    return {v: k for k, v in pairs}

@@ -18,6 +18,7 @@ import torch
 
 from ..errors import CodeCacheMiss, MessageTooLargeError, SerializationError
 from ..serialize import CodeCache, a_type, current_context, find_unpicklable
+from .devices import target_device
 from .futures import RpcFuture
 
 log = logging.getLogger(__name__)
@@ -42,10 +43,15 @@ class MessageContext:
     has not confirmed the copy)."""
 
     __slots__ = ("agent", "peer", "undo", "tag", "stash", "before", "refs_ok", "full", "refs",
-                 "answered", "answering")
+                 "answered", "answering", "reply", "maps_cpu")
 
-    def __init__(self, agent: Any, peer: int, tag: Any = None, refs_ok: bool = False) -> None:
+    def __init__(self, agent: Any, peer: int, tag: Any = None, refs_ok: bool = False,
+                 reply: bool = False) -> None:
         self.agent, self.peer, self.tag = agent, peer, tag
+        # an answer (its tensors follow the caller's device map, inverted), and
+        # whether that map or this agent's own names "cpu" (CPU tensors may move)
+        self.reply = reply
+        self.maps_cpu = getattr(agent, "cpu_mapped", False)
         self.undo: list[Callable[[], None]] | None = None
         self.stash: dict[str, Any] | None = None
         self.before: list[threading.Event] | None = None
@@ -61,6 +67,19 @@ class MessageContext:
     @property
     def codes(self) -> CodeCache:
         return self.agent.codes
+
+    def target(self, device: str) -> str:
+        """The peer's device a tensor on ``device`` goes to (PyTorch's rules:
+        :func:`~.devices.target_device`); raises
+        :class:`~nbrpc.errors.DeviceRouteError` where no map sends it."""
+        agent = self.agent
+        return target_device(device, agent.device_map_to(self.peer, self.reply),
+                             agent.members.peer_name(self.peer), not self.reply, agent.name)
+
+    def peer_place(self) -> str:
+        """Where the peer runs: ``"process"`` (this one), ``"host"`` (this host,
+        as this user) or ``"remote"``."""
+        return self.agent.peer_place(self.peer)
 
     def run_after(self, event: threading.Event) -> None:
         """A request being unpickled: run its handler once ``event`` is set

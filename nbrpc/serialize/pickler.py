@@ -77,31 +77,64 @@ def current_context() -> Any:
 # torch.from_numpy(). dtypes numpy lacks (bfloat16, float8, ...) go through
 # torch views instead.
 def _reduce_tensor(t: torch.Tensor) -> tuple:
-    if t.layout is not torch.strided or t.is_quantized or t.device.type != "cpu":
-        if t.device.type != "cpu":
+    kind = t.device.type
+    if kind == "cpu":
+        ctx = _context.get()
+        if ctx is not None and getattr(ctx, "maps_cpu", False):
+            target = ctx.target("cpu")  # a map names "cpu": the tensor may land on a GPU
+            if target != "cpu":
+                return _reduce_cpu(t, t, target)
+        return _reduce_cpu(t, t)
+    if kind == "cuda" and t.layout is torch.strided and not t.is_quantized:
+        ctx = _context.get()
+        if ctx is None or not hasattr(ctx, "target"):
             raise SerializationError(
-                f"nbrpc does not move {t.device.type.upper()} tensors yet (got one on "
-                f"{t.device}): move it with .cpu() before sending and .to(device) after "
-                "receiving (device maps are checked, but tensors travel on the CPU only)."
-            )
-        return t.__reduce_ex__(PROTOCOL)  # torch's own in-band pickling
-    requires_grad, is_param = t.requires_grad, type(t) is torch.nn.Parameter
+                f"a tensor on {t.device} was pickled outside an RPC message, where no device "
+                "map says where it goes: send it with rpc_sync/rpc_async/remote, or .cpu() it.")
+        target = ctx.target(str(t.device))  # PyTorch's error where no map names its device
+        from . import cuda  # (only where a CUDA tensor is sent)
+        return cuda.reduce(t, target, ctx, _reduce_cpu)
+    raise SerializationError(
+        f"nbrpc moves CPU tensors, and strided CUDA tensors along device maps; this one is "
+        f"a {t.layout} tensor on {t.device}: move it with .cpu() before sending (and make "
+        "a sparse or quantized CUDA tensor dense).")
+
+
+def grad_meta(t: torch.Tensor) -> tuple[bool, bool, Any]:
+    """What the receiver needs to rebuild ``t`` for autograd: whether it requires
+    grad, whether it is a Parameter, and the grad hook's token (it records the
+    send with distributed autograd)."""
+    requires_grad = t.requires_grad
     token = None
     if requires_grad and _GradHooks.on_send is not None:
         token = _GradHooks.on_send(t, _context.get())
+    return requires_grad, type(t) is torch.nn.Parameter, token
+
+
+def _reduce_cpu(t: torch.Tensor, data: torch.Tensor, device: str | None = None) -> tuple:
+    """``t`` (as to autograd and type) with the elements of ``data``, a CPU tensor
+    (``t`` itself, or its copy staged off a GPU), out of band; ``device``: where
+    the receiver puts it (None: the CPU)."""
+    if data.layout is not torch.strided or data.is_quantized:
+        return t.__reduce_ex__(PROTOCOL)  # torch's own in-band pickling
+    requires_grad, is_param, token = grad_meta(t)
     try:
-        arr = (t.detach() if requires_grad or is_param else t).numpy()
+        arr = (data.detach() if data.requires_grad or type(data) is torch.nn.Parameter
+               else data).numpy()
     except TypeError:  # no numpy dtype: export the bytes through a torch view
-        data = t.detach().contiguous()
+        data = data.detach().contiguous()
         arr = data.reshape(-1).view(torch.uint8).numpy() if data.numel() else np.empty(0, np.uint8)
-        return _rebuild_torch, (
-            pickle.PickleBuffer(arr), t.dtype, tuple(t.shape), requires_grad, is_param, token)
+        return _rebuild_torch, (pickle.PickleBuffer(arr), t.dtype, tuple(t.shape), requires_grad,
+                                is_param, token, device)
     strides = None
     if not arr.flags.c_contiguous:
         arr = np.ascontiguousarray(arr)  # only the view's own elements travel
-        strides = _layout_to_restore(t)
+        strides = _layout_to_restore(data)
+    if device is None:
+        return _rebuild_numpy, (pickle.PickleBuffer(arr), arr.dtype.str, arr.shape,
+                                requires_grad, is_param, token, strides)
     return _rebuild_numpy, (pickle.PickleBuffer(arr), arr.dtype.str, arr.shape, requires_grad,
-                            is_param, token, strides)
+                            is_param, token, strides, device)
 
 
 def _layout_to_restore(t: torch.Tensor) -> tuple[int, ...] | None:
@@ -127,7 +160,13 @@ def _writable(buf: Any) -> Any:
     return bytearray(buf) if memoryview(buf).readonly else buf
 
 
-def _finish(t: torch.Tensor, requires_grad: bool, is_param: bool, token: Any) -> torch.Tensor:
+def _finish(t: torch.Tensor, requires_grad: bool, is_param: bool, token: Any,
+            device: str | None = None) -> torch.Tensor:
+    """The received tensor as it was sent: on ``device`` (where the device map
+    puts it; None: here, on the CPU), a Parameter or requiring grad, and known
+    to distributed autograd."""
+    if device is not None:
+        t = _onto(t, device)
     if is_param:
         t = torch.nn.Parameter(t, requires_grad=requires_grad)
     elif requires_grad:
@@ -137,22 +176,30 @@ def _finish(t: torch.Tensor, requires_grad: bool, is_param: bool, token: Any) ->
     return t
 
 
+def _onto(t: torch.Tensor, device: str) -> torch.Tensor:
+    """``t`` (received, on the CPU) copied onto ``device``; the copy is complete
+    on return, whatever stream reads it next."""
+    return t.to(device) if device != "cpu" else t
+
+
 def _rebuild_numpy(buf: Any, dtype: str, shape: tuple, requires_grad: bool,
                    is_param: bool, token: Any = None,
-                   strides: tuple[int, ...] | None = None) -> torch.Tensor:
+                   strides: tuple[int, ...] | None = None,
+                   device: str | None = None) -> torch.Tensor:
     t = torch.from_numpy(np.frombuffer(_writable(buf), dtype=dtype).reshape(shape))
     if strides is not None:  # the sender's layout: a view arrives as a view-shaped tensor
         t = torch.empty_strided(shape, strides, dtype=t.dtype).copy_(t)
-    return _finish(t, requires_grad, is_param, token)
+    return _finish(t, requires_grad, is_param, token, device)
 
 
 def _rebuild_torch(buf: Any, dtype: torch.dtype, shape: tuple, requires_grad: bool,
-                   is_param: bool, token: Any = None) -> torch.Tensor:
+                   is_param: bool, token: Any = None, device: str | None = None
+                   ) -> torch.Tensor:
     if memoryview(buf).nbytes == 0:
         t = torch.empty(shape, dtype=dtype)
     else:
         t = torch.frombuffer(_writable(buf), dtype=torch.uint8).view(dtype).reshape(shape)
-    return _finish(t, requires_grad, is_param, token)
+    return _finish(t, requires_grad, is_param, token, device)
 
 
 register_reducer(torch.Tensor, _reduce_tensor)

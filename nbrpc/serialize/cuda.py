@@ -1,0 +1,136 @@
+"""CUDA tensors in messages, moved along the group's device maps.
+
+Where each tensor lands is decided before this module, by the message's
+device map (:func:`nbrpc.agent.devices.target_device`, PyTorch's rules and
+errors). This module moves it there, by the cheapest way that is safe for
+where the receiver runs (``ctx.peer_place()``):
+
+* **To another host, or to a receiver's CPU:** staged through pinned host
+  memory on the sender, carried as a CPU tensor (signed, size-checked and
+  counted like any other), and copied onto the mapped device on arrival.
+* **To another process on this host:** CUDA IPC through PyTorch's own handles
+  (``torch.multiprocessing``'s ``reduce_tensor``), which travel only inside
+  signed messages. The receiver opens the sender's memory, waits for the
+  event the sender recorded on its current stream as the message was
+  pickled, copies into memory it owns on the mapped device, waits for that
+  copy, and lets the handle go. PyTorch's IPC reference counter keeps the
+  sender's block from being reused until then, even if the sender drops its
+  tensor first.
+* **Within this process** (a call to itself, or agents sharing a process):
+  a copy on the mapped device, handed over through a process-local table.
+
+Every copy has completed before the receiver's code sees the tensor, so it is
+ready on whatever stream reads it next. ``NBRPC_CUDA_IPC=0`` stages through
+host memory between processes on one host too (for comparison).
+
+Nothing here runs on a machine without CUDA: only a CUDA tensor leads here.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import threading
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from .pickler import _finish, grad_meta
+
+log = logging.getLogger(__name__)
+
+IPC = os.environ.get("NBRPC_CUDA_IPC", "1") != "0"
+HANDOFF_MAX = 4096  # copies waiting for their receiver in this process, at most
+
+# how many tensors went each way, in this process (for traces and benchmarks)
+counts = {"ipc": 0, "staged": 0, "in-process": 0}
+
+
+def reduce(t: torch.Tensor, target: str, ctx: Any,
+           reduce_cpu: Callable[..., tuple]) -> tuple:
+    """Pickle the CUDA tensor ``t`` to land on ``target`` (``"cpu"`` or
+    ``"cuda:N"``, the receiver's device) at the peer of ``ctx``."""
+    if target == "cpu":
+        counts["staged"] += 1
+        return reduce_cpu(t, to_host(t))
+    place = ctx.peer_place()
+    if place == "process":
+        counts["in-process"] += 1
+        return _reduce_handoff(t, target, ctx)
+    if place == "host" and IPC:
+        counts["ipc"] += 1
+        return _reduce_ipc(t, target)
+    counts["staged"] += 1
+    return reduce_cpu(t, to_host(t), target)
+
+
+def to_host(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s elements in pinned host memory, copied once the work queued on
+    the current stream (which made ``t``) is done; complete on return."""
+    d = t.detach()
+    host = torch.empty(d.shape, dtype=d.dtype, pin_memory=True)
+    host.copy_(d, non_blocking=True)
+    torch.cuda.current_stream(d.device).synchronize()
+    return host
+
+
+# -- CUDA IPC --------------------------------------------------------------------
+def _reduce_ipc(t: torch.Tensor, target: str) -> tuple:
+    from torch.multiprocessing.reductions import reduce_tensor
+
+    _, args = reduce_tensor(t.detach())  # records an event on the current stream
+    return _rebuild_ipc, (args, target, *grad_meta(t))
+
+
+def _rebuild_ipc(args: tuple, target: str, requires_grad: bool, is_param: bool,
+                 token: Any) -> torch.Tensor:
+    from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
+    src = rebuild_cuda_tensor(*args)  # opens the handle; the current stream waits the event
+    device = torch.device(target)
+    with torch.cuda.device(device):
+        out = torch.empty_like(src, device=device)
+        out.copy_(src)
+        torch.cuda.current_stream(device).synchronize()
+    del src  # the sender's block may be reused from here
+    return _finish(out, requires_grad, is_param, token)
+
+
+# -- within this process -----------------------------------------------------------
+_handoffs: OrderedDict[int, torch.Tensor] = OrderedDict()
+_handoff_lock = threading.Lock()
+_handoff_ids = itertools.count()
+
+
+def _reduce_handoff(t: torch.Tensor, target: str, ctx: Any) -> tuple:
+    d = t.detach()
+    copy = d.to(target, copy=True)
+    torch.cuda.synchronize(d.device)
+    if copy.device != d.device:
+        torch.cuda.synchronize(copy.device)
+    key = next(_handoff_ids)
+    with _handoff_lock:
+        _handoffs[key] = copy
+        while len(_handoffs) > HANDOFF_MAX:  # receivers that never came (bounded)
+            _handoffs.popitem(last=False)
+            log.warning("nbrpc: dropped a CUDA tensor no receiver in this process took "
+                        "(more than %d waiting)", HANDOFF_MAX)
+    ctx.on_unsent(lambda: _take(key))
+    return _rebuild_handoff, (key, *grad_meta(t))
+
+
+def _take(key: int) -> torch.Tensor | None:
+    with _handoff_lock:
+        return _handoffs.pop(key, None)
+
+
+def _rebuild_handoff(key: int, requires_grad: bool, is_param: bool, token: Any
+                     ) -> torch.Tensor:
+    t = _take(key)
+    if t is None:
+        raise RuntimeError("nbrpc: a CUDA tensor sent within this process was taken already "
+                           "or dropped (a message delivered twice?)")
+    return _finish(t, requires_grad, is_param, token)
