@@ -252,3 +252,39 @@ def test_a_leafs_tensor_hooks_run_before_its_gradient_is_stored() -> None:
     loss.backward()  # the same in local autograd
     assert torch.equal(got[w], w.grad) and torch.equal(got[w], torch.tensor([2.0, 4.0, 6.0]))
     assert len(seen) == 2 and torch.equal(seen[0], torch.tensor([1.0, 2.0, 3.0]))
+
+
+def test_a_gradient_is_used_on_the_device_of_the_tensor_it_belongs_to() -> None:
+    """A gradient that came by another device (the stepper's by the CPU) is
+    moved to its sent tensor's device before use. The meta device stands in
+    for a GPU: autograd runs on it, with no data."""
+    x = torch.empty(2, device="meta", requires_grad=True)
+    h = x * 3
+    got, acc = collector()
+    a = LocalPass("A", {1: [h]}, {}, acc, norms=False)
+    a.receive(1, [torch.ones(2)])  # arrives on the CPU
+    a.run("send 1")
+    assert got[x].device.type == "meta" and got[x].shape == (2,)
+
+
+def test_gradients_go_back_to_the_devices_their_tensors_came_from(monkeypatch) -> None:
+    """The forward's tensors came from cuda:1 and the CPU; their gradients are
+    bound there (``Placed``), whatever map the backward's message follows, and
+    land there (the copy stood in for: no GPU here)."""
+    from nbrpc.autograd.backward import placed
+    from nbrpc.autograd.context import AutogradContext, RecvFn
+    from nbrpc.autograd.engine import Outgoing
+    from nbrpc.serialize import Placed, dumps, loads, pickler
+
+    ctx = AutogradContext(1)
+    ctx.recvs[7] = RecvFn(0, [torch.ones(2), torch.ones(2)], ["cuda:1", "cpu"])
+    out = placed(ctx, Outgoing(0, 7, [torch.full((2,), 2.0), None]))
+    assert isinstance(out.grads[0], Placed) and out.grads[0].device == "cuda:1"
+    assert out.grads[1] is None
+    plain = Outgoing(0, 8, [torch.ones(2)])
+    ctx.recvs[8] = RecvFn(0, [torch.ones(2)], ["cpu"])
+    assert placed(ctx, plain) is plain  # CPU to CPU: as before, no wrapper
+    moved: list[str] = []
+    monkeypatch.setattr(pickler, "_onto", lambda t, d: moved.append(d) or t.clone())
+    grads = loads(*dumps(out.grads))
+    assert moved == ["cuda:1"] and torch.equal(grads[0], torch.full((2,), 2.0))

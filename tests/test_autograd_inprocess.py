@@ -469,10 +469,26 @@ def test_remote_module_api(group) -> None:
             getattr(lin, name)()
     with pytest.raises(ValueError, match="rank:"):
         RemoteModule("rank:x/cpu", nn.Linear, args=(1, 1))
-    with pytest.raises(ValueError, match="on the CPU"):
-        RemoteModule("c/cuda:0", nn.Linear, args=(1, 1))
+    with pytest.raises(ValueError, match="the CPU or a CUDA device"):
+        RemoteModule("c/meta", nn.Linear, args=(1, 1))
     wrapped = nn.Sequential(lin)  # composes into a local model, with no local parameters
     assert wrapped(torch.ones(2, 3)).shape == (2, 2) and list(wrapped.parameters()) == []
+
+
+def test_a_remote_module_on_a_gpu_its_worker_lacks_is_refused_at_once() -> None:
+    """``worker/cuda:N`` parses as PyTorch's; a worker that published its
+    device count (every init_rpc member does) is checked before anything is
+    created there. (Modules on a GPU: tests/test_cuda.py, where one is.)"""
+    from nbrpc.agent.devices import DeviceConfig
+    from nbrpc.nn.remote_module import parse_remote_device
+
+    assert parse_remote_device("w1/cuda:1") == ("w1", "cuda:1")
+    assert parse_remote_device("rank:1/cuda") == (1, "cuda")
+    with local_group(["a", "b"], per_rank={1: {"devices": DeviceConfig(0)}}) as agents, \
+            acting_as(agents[0]):
+        with pytest.raises(ValueError, match="'b' has 0 CUDA device.*'b/cpu'"):
+            RemoteModule("b/cuda:0", nn.Linear, args=(1, 1))
+        assert RemoteModule("b/cpu", nn.Linear, args=(1, 1))(torch.ones(1)).shape == (1,)
 
 
 class NotAModule:

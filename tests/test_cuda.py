@@ -41,6 +41,11 @@ def on_gpu(n: int) -> torch.Tensor:
     return torch.arange(float(n), device="cuda:0")
 
 
+def seeded_linear() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Linear(8, 4)
+
+
 def counts() -> dict:
     from nbrpc.serialize import cuda
 
@@ -99,6 +104,26 @@ def _checks(rank: int, rpc, dist_autograd) -> dict:
             expect = torch.autograd.grad(torch.matmul(x, w).sum(), w)[0]
             return where(got), torch.allclose(got, expect)
         check("dist autograd across GPUs", autograd)
+
+        def training_step():
+            from nbrpc.nn import RemoteModule
+            from nbrpc.optim import DistributedOptimizer
+
+            remote_lin = RemoteModule("w1/cuda:0", seeded_linear)
+            local = seeded_linear().to("cuda:0")
+            data = torch.randn(16, 8, device="cuda:0")
+            opt = DistributedOptimizer(torch.optim.SGD, remote_lin.remote_parameters(), lr=0.1)
+            with dist_autograd.context() as ctx:
+                out = remote_lin(data)
+                dist_autograd.backward(ctx, [out.pow(2).sum()])
+                opt.step(ctx)
+            local_opt = torch.optim.SGD(local.parameters(), lr=0.1)
+            local(data).pow(2).sum().backward()
+            local_opt.step()
+            after = [p.to_here() for p in remote_lin.remote_parameters()]
+            return ([where(p) for p in after],
+                    all(torch.allclose(a, b, atol=1e-6) for a, b in zip(after, local.parameters())))
+        check("RemoteModule on w1's GPU, one SGD step", training_step)
     elif rank == 2:
         check("no request map", lambda: rpc.rpc_sync("w0", torch.add,
                                                      (torch.ones(2, device="cuda:0"), 1)))
@@ -148,6 +173,7 @@ def seen(tmp_path_factory) -> dict[int, dict]:
     ("staged through host memory", ["cuda:0", True, True]),
     ("cpu lands on w2's gpu", ["cuda:0", "cpu", [2.0, 2.0]]),
     ("dist autograd across GPUs", ["cuda:0", True]),
+    ("RemoteModule on w1's GPU, one SGD step", [["cuda:0", "cuda:0"], True]),
 ])
 def test_the_driver_sees_what_one_process_computes(seen, name, expect) -> None:
     assert seen[0][name] == expect

@@ -50,6 +50,7 @@ from ..agent import Agent
 from ..agent.pool import blocking
 from ..agent.remote_errors import pack_error, rebuild_error
 from ..errors import BackwardStageError, NbrpcError, RpcTimeoutError
+from ..serialize import Placed
 from .context import AutogradContext, Contexts, contexts_of
 from .engine import LocalPass, Outgoing, edge
 from .messages import Abort, Back, Credit, Flush, Grads, GraphQuery
@@ -212,6 +213,7 @@ def forward(agent: Agent, ctx: AutogradContext, pass_id: tuple[int, int],
     returned instead, to go in the answer, with the credit when ``sender`` is
     the initiator."""
     shares = split(credit, len(outbox)) if outbox else []
+    outbox = [placed(ctx, o) for o in outbox]
     back = [(o.msg_id, o.grads, c) for o, c in zip(outbox, shares) if o.peer == sender]
     sends = [(o, c) for o, c in zip(outbox, shares) if o.peer != sender]
     fold = sender is not None and sender == pass_id[0]  # the answer reaches the initiator
@@ -224,6 +226,24 @@ def forward(agent: Agent, ctx: AutogradContext, pass_id: tuple[int, int],
     if fold and (returned or blocked):
         return Back(tuple(back), returned, blocked)
     return Back(tuple(back)) if back else None
+
+
+def placed(ctx: AutogradContext, out: Outgoing) -> Outgoing:
+    """``out`` with each gradient off the CPU, or for a tensor that came from
+    off a CPU, bound for that tensor's device at its sender (the forward's
+    device map, inverted), whatever maps this message would follow."""
+    recv = ctx.recvs.get(out.msg_id)
+    origins = recv.origins if recv is not None else []
+    if all(g is None or g.device.type == "cpu" for g in out.grads) and all(
+            o == "cpu" for o in origins):
+        return out
+    grads = [g if g is None or i >= len(origins) else Placed(g, origins[i])
+             for i, g in enumerate(out.grads)]
+    return Outgoing(out.peer, out.msg_id, grads)
+
+
+def _on_cpu(grads: list) -> list:
+    return [g if g is None or g.device.type == "cpu" else Placed(g, "cpu") for g in grads]
 
 
 def send_part(agent: Agent, ctx: AutogradContext, pass_id: tuple[int, int], peer: int,
@@ -274,9 +294,9 @@ def _serve_stage(agent: Agent, ctx: AutogradContext, lp: LocalPass, msg: Grads |
     """Step mode: run the stage, answer with its record and what it would send.
     Normal mode: run it, pass the credit on (or back, with the error if it
     failed); the answer is what goes back to ``sender`` (:class:`Back`)."""
-    if msg.step:
+    if msg.step:  # (they go through the stepper's driver: by the CPU)
         data, outbox = run_stage(agent, ctx, lp, trigger, feed)
-        return data, [(o.peer, o.msg_id, o.grads) for o in outbox]
+        return data, [(o.peer, o.msg_id, _on_cpu(o.grads)) for o in outbox]
     try:
         data, outbox = run_stage(agent, ctx, lp, trigger, feed)
     except BaseException as e:  # the initiator fails the pass with this error

@@ -56,6 +56,7 @@ class RecvFn:
 
     peer: int
     tensors: list[torch.Tensor] = field(default_factory=list)
+    origins: list[str] = field(default_factory=list)  # each one's device at its sender
 
 
 class AutogradContext:
@@ -212,7 +213,7 @@ class Contexts(Propagator):
         return ctx
 
     # -- recording (called while messages are pickled) ---------------------------------------
-    def on_send(self, t: torch.Tensor, wire: MessageContext) -> tuple[int, int] | None:
+    def on_send(self, t: torch.Tensor, wire: MessageContext) -> tuple | None:
         ctx = self.get_or_create(wire.tag)
         if ctx is None:
             return None
@@ -226,14 +227,17 @@ class Contexts(Propagator):
                 ctx.known.add(wire.peer)
             wire.on_unsent(lambda: self._unsend(ctx, msg_id))
         ctx.sends[msg_id].tensors.append(t)
-        return wire.tag, msg_id
+        if t.device.type == "cpu":
+            return wire.tag, msg_id
+        return wire.tag, msg_id, str(t.device)  # its gradient comes back there
 
     def _unsend(self, ctx: AutogradContext, msg_id: int) -> None:
         with ctx.lock:
             ctx.sends.pop(msg_id, None)
 
-    def on_recv(self, t: torch.Tensor, token: tuple[int, int], wire: MessageContext) -> None:
-        ctx_id, msg_id = token
+    def on_recv(self, t: torch.Tensor, token: tuple, wire: MessageContext) -> None:
+        ctx_id, msg_id = token[0], token[1]
+        origin = token[2] if len(token) > 2 else "cpu"
         ctx = self.get_or_create(ctx_id)
         if ctx is None:
             return
@@ -244,6 +248,7 @@ class Contexts(Propagator):
                 ctx.known.add(wire.peer)
             ctx.leaf_names[id(t)] = f"recv#{msg_id & 0xFFFF}[{len(recv.tensors)}]"
             recv.tensors.append(t)
+            recv.origins.append(origin)
 
     # -- release -----------------------------------------------------------------------------
     def release(self, ctx_id: int, told: frozenset[int] = frozenset()) -> None:

@@ -121,6 +121,8 @@ class LocalPass:
         self._accumulate = accumulate
         self._name = names or (lambda t: f"leaf{tuple(t.shape)}")
         self._sends = {m: [edge(t) for t in ts] for m, ts in sends.items()}
+        # where each sent tensor lives: its gradient is used there
+        self._send_devices = {m: [t.device for t in ts] for m, ts in sends.items()}
         self._root_tensors = list(roots or ())
         self._roots = [edge(r) for r in self._root_tensors]
         # 1. count the edges into every node reachable from any entry
@@ -181,7 +183,9 @@ class LocalPass:
             raise BackwardError(f"send function #{msg_id} sent {len(edges)} tensor(s) but got "
                                 f"{len(grads)} gradient(s)")
         self._received.add(msg_id)
-        for (node, nr), g in zip(edges, grads):
+        for (node, nr), g, device in zip(edges, grads, self._send_devices[msg_id]):
+            if g is not None and g.device != device:  # (came by the CPU: the step mode)
+                g = g.to(device)
             self._give(node, nr, g)
 
     @torch.no_grad()

@@ -33,14 +33,15 @@ _NOT_SUPPORTED = (
 _PICKLED_ATTRIBUTES = ("on", "device", "module_cls_name", "module_rref", "training")
 
 
-def _create_module(module_cls: Any, args: tuple, kwargs: dict) -> nn.Module:
+def _create_module(module_cls: Any, args: tuple, kwargs: dict, device: str = "cpu"
+                   ) -> nn.Module:
     module = module_cls(*args, **kwargs)
     if not isinstance(module, nn.Module):  # PyTorch's text first: code matches on it
         raise ValueError(
             "Expect `module_cls(*args, **kwargs)` returns an instance of <class nn.Module>, "
             f"but it returns an instance of {type(module)}. Pass RemoteModule a subclass "
             f"of torch.nn.Module (or a function that builds one), not {module_cls!r}.")
-    return module
+    return module.to(device) if device != "cpu" else module
 
 
 def _rebuild_remote_module(state: dict[str, Any]) -> RemoteModule:
@@ -64,10 +65,10 @@ def parse_remote_device(remote_device: str) -> tuple[str | int, str]:
         raise ValueError(f"remote_device must be a string like 'worker1/cpu' or "
                          f"'rank:1/cpu', got {remote_device!r}")
     worker, _, device = remote_device.partition("/")
-    device = device or "cpu"
-    if torch.device(device).type != "cpu":
+    device = str(torch.device(device or "cpu"))
+    if torch.device(device).type not in ("cpu", "cuda"):
         raise ValueError(f"remote_device {remote_device!r}: nbrpc runs remote modules on "
-                         "the CPU; use 'worker/cpu'")
+                         "the CPU or a CUDA device; use 'worker/cpu' or 'worker/cuda:0'")
     if worker.startswith("rank:"):
         try:
             return int(worker[5:]), device
@@ -80,9 +81,24 @@ def parse_remote_device(remote_device: str) -> tuple[str | int, str]:
     return worker, device
 
 
+def _check_device(member: Any, device: str, remote_device: str) -> None:
+    """Refuse a CUDA device the worker does not have, where its count is known
+    (it published it when it joined), rather than at the module's first call."""
+    config = getattr(member, "devices", None)
+    index = torch.device(device).index or 0
+    if device != "cpu" and config is not None and index >= config.count:
+        raise ValueError(
+            f"remote_device {remote_device!r}: {member.name!r} has {config.count} CUDA "
+            f"device(s), so no {device}; put the module on '{member.name}/cpu', or on a "
+            "worker with a GPU (its tensors then travel along device maps: "
+            "TensorPipeRpcBackendOptions.set_device_map)")
+
+
 class RemoteModule(nn.Module):
     """``module_cls(*args, **kwargs)`` created on the worker ``remote_device``
-    names (``"worker1/cpu"``, ``"rank:1/cpu"``); calling this object runs it there.
+    names (``"worker1/cpu"``, ``"rank:1/cpu"``, ``"worker1/cuda:0"``: moved to
+    that device there); calling this object runs it there. Tensors to and from
+    a module on a GPU travel along the device maps (``set_device_map``).
 
     ``forward(*args)`` blocks, ``forward_async(*args)`` returns a future;
     ``remote_parameters()`` gives RRefs for :class:`~nbrpc.optim.DistributedOptimizer`;
@@ -113,10 +129,13 @@ class RemoteModule(nn.Module):
         super().__init__()
         worker, self.device = parse_remote_device(remote_device)
         agent = current_agent("RemoteModule")
-        self.on = agent.resolve(worker).name
+        member = agent.resolve(worker)
+        self.on = member.name
+        _check_device(member, self.device, remote_device)
         self.module_cls_name = getattr(module_cls, "__name__", repr(module_cls))
-        self.module_rref: RRef = remote(self.on, _create_module,
-                                        (module_cls, tuple(args or ()), dict(kwargs or {})))
+        self.module_rref: RRef = remote(
+            self.on, _create_module,
+            (module_cls, tuple(args or ()), dict(kwargs or {}), self.device))
 
     @staticmethod
     def init_from_module_rref(remote_device: str, module_rref: RRef,

@@ -3,6 +3,7 @@
 from .code import CodeCache, entry_for
 from .explain import a_type, find_unpicklable
 from .pickler import (
+    Placed,
     current_context,
     dumps,
     loads,
@@ -12,6 +13,6 @@ from .pickler import (
 )
 from .source import cell_label, format_exception
 
-__all__ = ["CodeCache", "a_type", "cell_label", "current_context", "entry_for", "dumps",
+__all__ = ["CodeCache", "Placed", "a_type", "cell_label", "current_context", "entry_for", "dumps",
            "find_unpicklable", "format_exception", "loads", "parallel_copy",
            "register_grad_hooks", "register_reducer"]

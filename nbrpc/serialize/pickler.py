@@ -202,8 +202,40 @@ def _rebuild_torch(buf: Any, dtype: torch.dtype, shape: tuple, requires_grad: bo
     return _finish(t, requires_grad, is_param, token, device)
 
 
+class Placed:
+    """A tensor that lands on ``device`` at the receiver, whatever the message's
+    device map says: a gradient going back to where the tensor it belongs to
+    came from (the forward's map, inverted, already allowed that way). Arrives
+    as the tensor itself.
+
+    >>> loads(*dumps([Placed(torch.ones(2), "cpu")]))
+    [tensor([1., 1.])]
+    """
+
+    __slots__ = ("tensor", "device")
+
+    def __init__(self, tensor: torch.Tensor, device: str) -> None:
+        self.tensor, self.device = tensor, device
+
+
+def _reduce_placed(p: Placed) -> tuple:
+    t, device = p.tensor, p.device
+    if t.device.type == "cuda" and t.layout is torch.strided and not t.is_quantized:
+        from . import cuda
+
+        ctx = _context.get()
+        if ctx is None or not hasattr(ctx, "peer_place"):
+            raise SerializationError(f"a tensor on {t.device} was pickled outside an RPC "
+                                     "message: .cpu() it")
+        return cuda.reduce(t, device, ctx, _reduce_cpu)
+    if t.device.type == "cpu":
+        return _reduce_cpu(t, t, None if device == "cpu" else device)
+    return _reduce_tensor(t)  # (refused, with the reason)
+
+
 register_reducer(torch.Tensor, _reduce_tensor)
 register_reducer(torch.nn.Parameter, _reduce_tensor)
+register_reducer(Placed, _reduce_placed)
 
 
 # -- pickler -----------------------------------------------------------------
