@@ -572,6 +572,31 @@ def test_a_controller_whose_socket_paths_would_not_fit_listens_on_loopback(
         assert rpc.rpc_sync("worker1", max, args=(1, 2)) == 2
 
 
+def test_device_maps_reach_each_worker_and_a_misfit_is_refused(own_cluster: None) -> None:
+    """``Cluster(device_maps=...)``: each engine publishes its own maps (on this
+    machine, with no GPU, maps between CPUs), the group is checked as
+    ``init_rpc`` checks it, and a map to a device a worker lacks stops the
+    start with PyTorch's words. ``gpus=True`` needs a GPU on a local cluster's
+    host and says so at once."""
+    from nbrpc.cluster.ipp import ClusterError
+
+    maps = {"driver": {"worker1": {"cpu": "cpu"}}, "worker1": {"driver": {"cpu": "cpu"}}}
+    with Cluster(progress=False, device_maps=maps).start(2) as cluster:
+        driver = cluster.agent
+        assert driver.members.get(1).devices.map_to("driver") == {"cpu": "cpu"}
+        assert driver.members.get(2).devices is None  # no maps of its own
+        assert driver.device_map_to(1, reply=False) == {"cpu": "cpu"}
+        assert driver.device_map_to(1, reply=True) == {"cpu": "cpu"}  # worker1's, inverted
+        assert driver.device_map_to(2, reply=False) is None
+        assert rpc.rpc_sync("worker1", torch.add, args=(torch.ones(2), 1)).tolist() == [2.0, 2.0]
+        assert [w.device for w in cluster.status().workers] == ["", "", ""]
+    with pytest.raises(ClusterError, match="Node worker1 has target devices with invalid"):
+        Cluster(progress=False, device_maps={"worker1": {"driver": {"cpu": "cuda:0"}}}).start(1)
+    if not torch.cuda.device_count():
+        with pytest.raises(ClusterError, match="this host has none"):
+            Cluster(progress=False, gpus=True).start(1)
+
+
 def test_a_relayed_engine_holding_its_gil_stays_registered(own_cluster: None) -> None:
     """Engines elsewhere reach the controller through their relay (here
     ``launcher="local"`` with ``controller_ip``, which relays as remote

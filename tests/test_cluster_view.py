@@ -174,6 +174,24 @@ def test_every_cell_is_padded_and_restart_has_a_column_of_its_own() -> None:
     assert 'class="nbrpc-cluster"' in page and rule and "padding: 2px 8px" in rule.group(1)
 
 
+def test_each_workers_gpu_has_a_column_where_the_cluster_gave_them_one() -> None:
+    """gpus=True: a device column after the pid, every row (and the totals)
+    still as wide as the header; without GPUs the table is unchanged."""
+    s = status()
+    for w, device in zip(s.workers, ("cpu", "cuda:0", "cuda:1")):
+        w.device = device
+    page = cluster_html(s, {"worker1": 1.0}, buttons=True)
+    assert headers(page)[:6] == ["name", "rank", "host", "pid", "device", "state"]
+    for row in re.findall(r'<tr data-key="worker:[^"]+".*?</tr>', page):
+        assert len(cells(row)) == len(headers(page)), cells(row)
+    row = re.search(r'<tr data-key="worker:worker2".*?</tr>', page).group(0)
+    assert cells(row)[4] == "cuda:1"
+    total = re.search(r"<tr style=[^>]*><td[^>]*><i>all</i>.*?</tr>", page).group(0)
+    assert len(cells(total)) == len(headers(page))
+    assert "<td>device</td><td>cuda:1</td>" in cluster_view._details(s["worker2"], None)
+    assert "device" not in headers(cluster_html(status()))
+
+
 def test_the_static_table_keeps_the_markup_the_tutorials_saved() -> None:
     """Saved notebooks compare the static table's HTML (nbval): no live-only parts."""
     page = cluster_html(status(), {"worker1": 1.0})

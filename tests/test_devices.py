@@ -281,3 +281,29 @@ def test_requests_follow_the_senders_map_and_answers_the_callers_inverted() -> N
         assert a0.peer_place(1) == a1.peer_place(0) == a0.peer_place(0) == "process"
         assert torch.equal(a0.rpc_sync("w1", torch.add, (torch.ones(2), 1)), torch.full((2,), 2.))
         assert torch.equal(a1.rpc_sync("w0", torch.add, (torch.ones(2), 2)), torch.full((2,), 3.))
+
+
+def test_with_gpus_each_pair_maps_home_to_home_unless_a_map_is_given() -> None:
+    """``Cluster(gpus=True)``: a member's record names its own device; between
+    two members with homes and no map, requests go home to home and answers
+    back. A map given for a pair wins. (The peer's count is claimed, not real:
+    only routes are asked, no tensor moves.)"""
+    from conftest import local_group
+
+    from nbrpc.cluster.gpus import config
+
+    driver = config(0, (("w2", (("cpu", "cpu"),)),), True, count=0)  # a kernel with no GPU
+    worker = DeviceConfig(count=2, home="cuda:1")
+    with local_group(["w0", "w1", "w2"], per_rank={0: {"devices": driver},
+                                                   1: {"devices": worker},
+                                                   2: {"devices": worker}}) as (a0, a1, a2):
+        assert driver.home == "cpu" and a0.cpu_mapped
+        assert a0.device_map_to(1, reply=False) == {"cpu": "cuda:1"}
+        assert a0.device_map_to(1, reply=True) == {"cpu": "cuda:1"}  # w1's {cuda:1: cpu}, inverted
+        assert a1.device_map_to(0, reply=False) == {"cuda:1": "cpu"}
+        assert a1.device_map_to(0, reply=True) == {"cuda:1": "cpu"}
+        assert a1.device_map_to(2, reply=False) == {"cuda:1": "cuda:1"}
+        assert a0.device_map_to(2, reply=False) == {"cpu": "cpu"}  # the map given
+        assert plan("w1", {m.name: m.devices for m in a1.members.members()}).devices == ("cuda:1",)
+    with pytest.raises(DeviceMapError, match="Node w1 has an invalid home device cuda:1"):
+        check({"w1": DeviceConfig(count=1, home="cuda:1")})

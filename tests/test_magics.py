@@ -60,6 +60,17 @@ def test_wrong_usage_raises_usage_error_with_the_fix(shell, line: str, message: 
     assert "usage: %rpc_cluster" in text or "--trait=value" in text or "see: %rpc_cluster" in text
 
 
+def test_gpus_on_a_host_without_one_says_so_before_starting_anything(shell) -> None:
+    import torch
+
+    if torch.cuda.device_count():
+        pytest.skip("this host has a GPU")
+    with pytest.raises(UsageError, match=r"--gpus\) gives each worker a GPU, but this host"):
+        shell.run_line_magic("rpc_cluster", "start 2 --gpus")
+    magics = shell.magics_manager.registry["ClusterMagics"]
+    assert magics.cluster is None or magics.cluster.state == "stopped"
+
+
 @pytest.mark.parametrize("line", ["restart worker1", "add 1", "remove worker1"])
 def test_commands_that_need_a_cluster_say_how_to_start_one(shell, line: str) -> None:
     with pytest.raises(UsageError, match="start one with %rpc_cluster start N"):

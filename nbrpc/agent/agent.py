@@ -162,8 +162,8 @@ class Agent:
         # where tensors go: (peer, is an answer) -> device map, or None (filled as
         # used, emptied as members change); does any map here name "cpu"
         self._routes: dict[tuple[int, bool], dict[str, str] | None] = {}
-        self.cpu_mapped = bool(opts.devices) and any(
-            "cpu" in dict(pairs) for _, pairs in opts.devices.maps)
+        self.cpu_mapped = bool(opts.devices) and (opts.devices.home == "cpu" or any(
+            "cpu" in dict(pairs) for _, pairs in opts.devices.maps))
         _IN_THIS_PROCESS.add(self.io.incarnation)
         self.pool = WorkerPool(opts.num_worker_threads, f"nbrpc-worker[{name}]",
                                self._adopt_thread, self.io.call_later)
@@ -311,7 +311,8 @@ class Agent:
     def add_member(self, m: Member) -> None:
         self.members.add(m)
         self._routes.clear()
-        if m.devices is not None and "cpu" in m.devices.map_to(self.name).values():
+        if m.devices is not None and "cpu" in m.devices.map_to(self.name,
+                                                              self.me.devices).values():
             self.cpu_mapped = True  # its answers' CPU tensors may come from a GPU here
         if m.rank != self.rank:
             self.io.set_address(m.rank, m.address, m.local)
@@ -326,13 +327,13 @@ class Agent:
             return self._routes[key]
         except KeyError:
             pass
+        m, mine = self.members.get(peer), self.me.devices
+        theirs = m.devices if m is not None else None
         if reply:
-            m = self.members.get(peer)
-            pairs = m.devices.map_to(self.name) if m is not None and m.devices else {}
+            pairs = theirs.map_to(self.name, mine) if theirs else {}
             found = devices.inverse(pairs.items()) or None
         else:
-            mine = self.me.devices
-            found = (mine.map_to(self.members.peer_name(peer)) if mine else {}) or None
+            found = (mine.map_to(self.members.peer_name(peer), theirs) if mine else {}) or None
         self._routes[key] = found
         return found
 

@@ -44,9 +44,21 @@ class DeviceConfig:
     count: int = 0  # CUDA devices visible to the process
     maps: tuple[tuple[str, Map], ...] = ()  # (callee name, its map), sorted by name
     devices: tuple[str, ...] = ()  # declared with ``devices=`` / ``set_devices``; () = derived
+    # its own device in a cluster started with gpus=True (a GPU, or "cpu"): with
+    # no map to a peer that has one too, its map is {its home: the peer's home}
+    home: str | None = None
 
-    def map_to(self, name: str) -> dict[str, str]:
-        return dict(next((m for to, m in self.maps if to == name), ()))
+    def map_to(self, name: str, peer: DeviceConfig | None = None) -> dict[str, str]:
+        """Its map to ``name``: the one set, else home to ``peer``'s home.
+
+        >>> a, b = DeviceConfig(1, home="cpu"), DeviceConfig(2, home="cuda:1")
+        >>> a.map_to("b", b), b.map_to("a", a), a.map_to("b")
+        ({'cpu': 'cuda:1'}, {'cuda:1': 'cpu'}, {})
+        """
+        pairs = dict(next((m for to, m in self.maps if to == name), ()))
+        if not pairs and self.home is not None and peer is not None and peer.home is not None:
+            return {self.home: peer.home}
+        return pairs
 
 
 @dataclass(frozen=True)
@@ -97,6 +109,11 @@ def check(configs: Mapping[str, DeviceConfig], static: bool = True) -> None:
     targets that have not joined yet."""
     names = list(configs)
     for node in names:
+        home, count = configs[node].home, configs[node].count
+        if home is not None and not valid([home], count):
+            raise DeviceMapError(f"Node {node} has an invalid home device {home} (gpus=True "
+                                 f"gives each worker one)\ndevice count = {count}", node)
+    for node in names:
         devices, count = configs[node].devices, configs[node].count
         if len(set(devices)) != len(devices):
             raise DeviceMapError(f"Node {node} has duplicated devices\n"
@@ -141,13 +158,15 @@ def plan(me: str, configs: Mapping[str, DeviceConfig]) -> DevicePlan:
     """``me``'s reverse maps (callers' maps to ``me``, inverted) and its devices:
     the declared ones, or else every non-CPU device in its own maps and its
     reverse maps, by index (PyTorch's ``_create_device_list``)."""
-    reverse = tuple((node, tuple((v, k) for k, v in config.map_to(me).items()))
-                    for node, config in configs.items() if config.map_to(me))
     mine = configs[me]
+    reverse = tuple((node, tuple((v, k) for k, v in pairs.items()))
+                    for node, config in configs.items()
+                    if (pairs := config.map_to(me, mine if node != me else None)))
     if mine.devices:
         devices = list(mine.devices)
     else:
         found = {pair[0] for _, pairs in (*mine.maps, *reverse) for pair in pairs}
+        found |= {mine.home} if mine.home else set()
         devices = [d for d in found if d != "cpu"]
     return DevicePlan(reverse, tuple(sorted(devices, key=_index)))
 

@@ -27,7 +27,7 @@ import tempfile
 import threading
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,6 +37,7 @@ from ..agent.agent import _Default
 from ..errors import AlreadyInitializedError, NbrpcError
 from ..transport import local, new_key
 from . import engine as engine_side
+from . import gpus as gpus_
 from . import guard, jobs, relay
 from .ipp import ClusterError, LoopThread, host_for_rank, kill_family, routable_ip
 from .progress import Progress, make_progress
@@ -88,6 +89,11 @@ class Cluster:
     process exits is noticed within about a second and one whose host
     vanishes within about three, regardless. ``encrypt``: CURVE-encrypt the workers'
     connections (for engines on networks you do not trust).
+    ``device_maps``: each worker's device maps to the others (``{"driver":
+    {"worker1": {"cuda:0": "cuda:0"}}, ...}``, as ``TensorPipeRpcBackendOptions``
+    takes them); ``gpus=True`` gives each worker one of its host's GPUs, round
+    robin, and maps every pair of members device to device (the driver on
+    cuda:0, or the CPU): see :mod:`nbrpc.cluster.gpus`.
     ``controller_max_message``: the largest ZeroMQ frame (bytes) ipyparallel's
     controller accepts (64 MiB): a peer that reaches its ports makes it hold
     no more than that per connection (ipyparallel has no handshake of its
@@ -123,6 +129,8 @@ class Cluster:
         profile_dir: str | None = None,
         progress: bool | None = None,
         controller_max_message: int = CONTROLLER_MAX_MESSAGE,
+        device_maps: Mapping[str, Mapping[str, Mapping]] | None = None,
+        gpus: bool = False,
     ) -> None:
         if int(threads) < 1:
             raise ValueError(f"threads must be >= 1 (worker threads per agent), got {threads}")
@@ -149,6 +157,8 @@ class Cluster:
             raise ValueError(f"failure_timeout must be >= twice heartbeat ({2 * self.heartbeat:g}"
                              f" s), got {failure_timeout!r}")
         self.controller_ip = controller_ip
+        self.device_maps = gpus_.parse_maps(device_maps)  # {name: its maps, as published}
+        self.gpus = bool(gpus)
         self.host = host or ("127.0.0.1" if self._local else routable_ip())
         self.progress = progress
         self._profile_dir = profile_dir
@@ -219,6 +229,10 @@ class Cluster:
                                    "it, or stop() it first")
             if _Default.agent is not None:
                 raise AlreadyInitializedError(_Default.agent.name)
+            if self.gpus and self._local and not gpus_.count_here():
+                raise ClusterError("gpus=True (--gpus) gives each worker a GPU, but this host "
+                                   "has none (torch.cuda.device_count() is 0): start without "
+                                   "it; tensors then stay on the CPU")
             t0 = time.perf_counter()
             self.state = "starting"
             progress = make_progress(n, self.progress, "starting nbrpc workers",
@@ -248,9 +262,12 @@ class Cluster:
         from .launcher import ZYGOTES, GuardedControllerLauncher
 
         key = new_key()
+        here = gpus_.count_here() if self.gpus or self.device_maps else 0
         opts = AgentOptions(num_worker_threads=self.threads, rpc_timeout=self.rpc_timeout,
                             host=self.host, port=0, heartbeat_interval=self.heartbeat,
-                            encrypt=self.encrypt, **self._failure_option())
+                            encrypt=self.encrypt, **self._failure_option(),
+                            devices=gpus_.config(0, self.device_maps.get("driver", ()),
+                                                 self.gpus, here))
         self.agent = Agent("driver", 0, key, world_size=None, options=opts)
         self.agent.start(None, self.timeout)
         set_default_agent(self.agent)
@@ -465,7 +482,7 @@ class Cluster:
                 if w.engine_id is not None and w.agent_call is None:
                     w.agent_call = client[w.engine_id].apply_async(
                         engine_side.start_agent, ranks, name, self.agent.address, self._key,
-                        options)
+                        {**options, **self._device_options(name)})
                 if w.agent_call is not None and w.agent_call.ready():
                     info = w.agent_call.get(0)  # raises the engine's error, if any
                     w.pid, w.host = info["pid"], info["host"]
@@ -488,6 +505,14 @@ class Cluster:
                     f"{sorted(client.ids)}); raise timeout=..., or look at the engines' output:\n"
                     + "\n".join(self._engine_output(n) for n in sorted(pending)))
             time.sleep(0.01)
+        if self.gpus or self.device_maps:
+            gpus_.check_group(self.agent)
+
+    def _device_options(self, name: str) -> dict[str, Any]:
+        """What the engine of ``name`` builds its devices from (start_agent)."""
+        maps = self.device_maps.get(name, ())
+        return {"device_maps": maps, "gpus": True} if self.gpus else (
+            {"device_maps": maps} if maps else {})
 
     def _ask_queue(self, workers: list[_Worker], every: float = 1.0) -> bool:
         """Refresh the Slurm jobs of ``workers`` from ``squeue``, at most once per
@@ -731,7 +756,7 @@ class Cluster:
 
     def _row(self, w: _Worker, agent: Agent, fut: Any) -> WorkerStatus:
         row = WorkerStatus(w.name, w.rank, host=w.host, pid=w.pid, threads=self.threads,
-                           job=str(w.job or ""))
+                           job=str(w.job or ""), device=_home(agent, w.rank))
         gone = agent.gone_why(w.rank)
         if fut is None:
             row.state = "dead" if (gone or w.exited) else "starting"
@@ -810,8 +835,15 @@ def _stop_all() -> None:
 
 
 def _driver_row(agent: Agent) -> WorkerStatus:
-    row = WorkerStatus("driver", 0, state="ready", threads=agent.options.num_worker_threads)
+    row = WorkerStatus("driver", 0, state="ready", threads=agent.options.num_worker_threads,
+                       device=_home(agent, 0))
     return fill_row(row, engine_side.describe(agent))
+
+
+def _home(agent: Agent, rank: int) -> str:
+    """The member's own device (gpus=True), as its record says; else ""."""
+    m = agent.members.get(rank)
+    return getattr(getattr(m, "devices", None), "home", None) or ""
 
 
 def _check_count(n: Any, what: str) -> int:

@@ -17,9 +17,12 @@ import sys
 from typing import Any
 from urllib.parse import urlparse
 
+import torch
+
 from ..agent import Agent, AgentOptions, internal, set_default_agent
 from ..agent.agent import _Default
 from ..rpc.rendezvous import _local_ip_towards
+from . import gpus as gpus_
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +47,13 @@ def start_agent(names: dict[str, int], fallback: str, coordinator: str, key: byt
     if _Default.agent is not None:  # e.g. a user's own init_rpc on this engine
         _Default.agent.shutdown(graceful=False)
     host = urlparse(coordinator).hostname or "127.0.0.1"
+    options = dict(options)
+    maps, gpus = options.pop("device_maps", ()), options.pop("gpus", False)
+    if maps or gpus:
+        count = torch.cuda.device_count()
+        options["devices"] = gpus_.config(rank, maps, gpus, count)
+        if gpus:
+            torch.cuda.set_device(options["devices"].home)  # this worker's "cuda"
     opts = AgentOptions(**{**options, "host": _local_ip_towards(socket.gethostbyname(host)),
                            "port": 0})
     agent = Agent(name, rank, key, world_size=None, options=opts)

@@ -33,6 +33,7 @@ class WorkerStatus:
     bytes_moved: int = 0  # bytes sent + received since its agent started
     detail: str = ""
     job: str = ""  # its batch job, as last seen (e.g. "Slurm job 17 RUNNING on n1")
+    device: str = ""  # its own device in a cluster with gpus=True ("cuda:1", "cpu")
 
 
 @dataclass

@@ -88,9 +88,10 @@ def _state_style(state: str) -> str:
 
 
 def _row(w: WorkerStatus, rate: float | None, buttons: bool, selected: bool,
-         busy: bool) -> str:
+         busy: bool, devices: bool = False) -> str:
     state = f"<b{_state_style(w.state)}>{esc(w.state)}</b>"
-    where = varies(f"<td>{esc(w.host or '')}</td><td>{esc(w.pid or '')}</td>")
+    device = f"<td>{esc(w.device)}</td>" if devices else ""
+    where = varies(f"<td>{esc(w.host or '')}</td><td>{esc(w.pid or '')}</td>{device}")
     counters = varies(
         f"<td>{w.busy_threads}/{w.threads}</td><td>{w.in_flight}</td>"
         f"<td>{w.owned_rrefs}</td><td>{fmt_bytes(w.owned_bytes)}</td>"
@@ -121,21 +122,24 @@ def cluster_html(status: ClusterStatus, rates: dict[str, float | None] | None = 
     live view's body (a Restart button per worker, disabled while ``busy``;
     no ``heading``: the widget's title says it)."""
     rates = rates or {}
-    head = "".join(_th(c, hint=buttons) for c in COLUMNS + ((ACTION,) if buttons else ()))
+    devices = any(w.device for w in status.workers)  # (a cluster with gpus=True)
+    columns = COLUMNS[:4] + ("device",) + COLUMNS[4:] if devices else COLUMNS
+    head = "".join(_th(c, hint=buttons) for c in columns + ((ACTION,) if buttons else ()))
     shown = _shown(status.workers, limit)
-    rows = [_row(w, rates.get(w.name), buttons, w.name == selected, busy) for w in shown]
+    rows = [_row(w, rates.get(w.name), buttons, w.name == selected, busy, devices)
+            for w in shown]
     if len(shown) < len(status.workers):
         hidden = [w for w in status.workers if w not in shown]
         states = ", ".join(f"{sum(w.state == s for w in hidden)} {s}"
                            for s in sorted({w.state for w in hidden}))
-        rows.append(f'<tr><td colspan="{len(COLUMNS) + buttons}">… and '
+        rows.append(f'<tr><td colspan="{len(columns) + buttons}">… and '
                     f"{len(hidden):,} more ({esc(states)})</td></tr>")
     if len(status.workers) > 1:
         known = [r for r in (rates.get(w.name) for w in status.workers) if r is not None]
         total = sum(known) if known else None
         rows.append(
             '<tr style="border-top:1px solid #999"><td><i>all</i></td>'
-            + "<td></td>" * 4 + varies(
+            + "<td></td>" * (5 if devices else 4) + varies(
                 f"<td>{sum(w.busy_threads for w in status.workers)}/"
                 f"{sum(w.threads for w in status.workers)}</td>"
                 f"<td>{sum(w.in_flight for w in status.workers)}</td>"
@@ -164,6 +168,8 @@ def _details(w: WorkerStatus, rate: float | None) -> str:
               ("calls in flight", w.in_flight), ("owned RRefs", w.owned_rrefs),
               ("bytes owned", fmt_bytes(w.owned_bytes)), ("messages", f"{w.messages:,}"),
               ("messages/s", _rate(rate)), ("bytes moved", fmt_bytes(w.bytes_moved))]
+    if w.device:
+        fields.append(("device", w.device))
     if w.job:
         fields.append(("batch job", w.job))
     if w.detail:

@@ -93,6 +93,9 @@ def _cluster_parser() -> _Parser:
                         "whose host vanished, is noticed within seconds regardless)")
     s.add_argument("--encrypt", action="store_true",
                    help="CURVE-encrypt the workers' connections (networks you do not trust)")
+    s.add_argument("--gpus", action="store_true",
+                   help="give each worker one GPU of its host, round robin, and map tensors "
+                        "device to device between members (the kernel: cuda:0, or the CPU)")
     s.add_argument("--host", default=None,
                    help="interface the driver listens on (default: loopback for local "
                         "launchers, else this host's routable address)")
@@ -174,7 +177,7 @@ class ClusterMagics(Magics):
                           threads=args.threads, timeout=args.timeout,
                           rpc_timeout=args.rpc_timeout, host=args.host,
                           failure_timeout=args.failure_timeout, encrypt=args.encrypt,
-                          controller_ip=args.controller_ip)
+                          controller_ip=args.controller_ip, gpus=args.gpus)
         cluster.start(args.n)
         old, self.cluster = self.cluster, cluster
         if self.shell.user_ns.get("rpc_cluster") in (None, old):  # not the user's own

@@ -148,7 +148,7 @@ def device_config(opts: Any, count: int) -> DeviceConfig:
     and devices of its options (ours or PyTorch's), as strings.
 
     >>> device_config(TensorPipeRpcBackendOptions(device_maps={"w1": {"cpu": "cuda:0"}}), 0)
-    DeviceConfig(count=0, maps=(('w1', (('cpu', 'cuda:0'),)),), devices=())
+    DeviceConfig(count=0, maps=(('w1', (('cpu', 'cuda:0'),)),), devices=(), home=None)
     """
     maps = getattr(opts, "device_maps", None) or {}
     return DeviceConfig(
