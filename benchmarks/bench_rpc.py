@@ -3,7 +3,7 @@
 Run it with ``make bench`` (or ``.venv/bin/python benchmarks/bench_rpc.py``);
 ``--quick`` runs a few iterations only (a smoke test), ``--markdown`` prints
 the table as Markdown for the README, ``--cases autograd`` (or any comma list of
-``rpc``, ``fork``, ``autograd``) runs only those cases.
+``rpc``, ``fork``, ``autograd``, ``trace``, ``cuda``) runs only those cases.
 
 For each library the script starts two processes with
 ``torch.multiprocessing.spawn``; each calls
@@ -76,6 +76,16 @@ What is measured (rank 0 calling rank 1 over loopback):
     ``marshal`` and ``serpent`` serializers, after each repetition's two
     libraries; shown against nbrpc's ``rpc_sync`` (skipped if Pyro5 is not
     installed: ``pip install Pyro5``, in the ``test`` extra).
+12. CUDA tensors (where NVML finds a GPU; else left out, saying so): a group
+    of its own whose two workers map their ``cuda:0`` to each other's. Echo
+    of a float32 tensor on ``cuda:0`` of 4 KB and 64 MB, the clock stopped
+    once the answer is usable on the caller's stream (bandwidth = 2 * size
+    / median round trip); and one training step: a ``RemoteModule``
+    ``Linear(1024, 1024)`` on the peer's ``cuda:0`` and a local one, batch
+    64, distributed autograd and ``DistributedOptimizer(SGD)``, against the
+    same two layers trained in one process (each library's rank 0 measures
+    its own). This process never initializes CUDA (it forks nothing, but
+    asks NVML only, as a fork server must).
 
 The targets from the issue are printed next to the metrics they apply to.
 Every loop is bounded, and each library's run is killed after ``--timeout``
@@ -113,11 +123,14 @@ LIBRARIES = ("nbrpc", "torch")
 MODULES = {"nbrpc": "nbrpc.rpc", "torch": "torch.distributed.rpc"}
 AUTOGRAD_MODULES = {"nbrpc": ("nbrpc.autograd", "nbrpc.optim"),
                     "torch": ("torch.distributed.autograd", "torch.distributed.optim")}
-# --cases: the two-worker RPC set, the cycles, autograd, the same calls inside a trace
-CASES = ("rpc", "fork", "autograd", "trace")
+# --cases: the two-worker RPC set, the cycles, autograd, the same calls inside a trace,
+# CUDA tensors along device maps (where a GPU is found: a group of its own)
+CASES = ("rpc", "fork", "autograd", "trace", "cuda")
 PEER = "worker1"
 OWNERS = ("worker1", "worker2")  # of the create/fork/delete cycles
 ECHO_SIZES = {"4 KB": 4 << 10, "1 MB": 1 << 20, "64 MB": 64 << 20}
+CUDA_ECHO_SIZES = {"4 KB": 4 << 10, "64 MB": 64 << 20}
+CUDA_STEP_N = 1024  # the training step's Linear(n, n) on each side, batch 64
 
 
 @dataclasses.dataclass(frozen=True)
@@ -142,6 +155,9 @@ class Config:
     autograd_local: tuple[int, int] = (50, 500)  # the one-process reference
     autograd_n: int = 256  # x and W are n×n
     autograd_lr: float = 0.01
+    cuda_echo: dict[str, tuple[int, int]] = dataclasses.field(default_factory=lambda: {
+        "4 KB": (50, 1000), "64 MB": (5, 50)})
+    cuda_step: tuple[int, int] = (20, 200)
     serve_timeout_s: float = 100.0  # rank 1 serves at most this long
     cases: tuple[str, ...] = CASES
 
@@ -149,7 +165,8 @@ class Config:
 QUICK = Config(sync=(20, 200), async_calls=500, async_rounds=1,
                echo={"4 KB": (5, 50), "1 MB": (2, 10), "64 MB": (1, 3)},
                remote=(10, 50), fork_rounds=(1, 1), import_runs=1,
-               autograd=(10, 40), autograd_local=(10, 40))
+               autograd=(10, 40), autograd_local=(10, 40),
+               cuda_echo={"4 KB": (5, 50), "64 MB": (2, 5)}, cuda_step=(5, 20))
 
 
 # -- helpers (both sides) ----------------------------------------------------------
@@ -520,10 +537,75 @@ def measure(rpc: Any, lib: str, cfg: Config, rec: dict[str, Any],
             ("dist autograd fwd+bwd+DistributedOptimizer.step", sum(cfg.autograd) + 1,
              lambda f: bench_autograd(rpc, lib, cfg, f, optimizer=True)),
         ]
+    if "cuda" in cfg.cases:
+        for label, reps in cfg.cuda_echo.items():
+            steps.append((f"CUDA echo {label}", sum(reps),
+                          lambda f, label=label, reps=reps: bench_cuda_echo(rpc, label, reps, f)))
+        steps.append(("CUDA training step", 2 * sum(cfg.cuda_step),
+                      lambda f: bench_cuda_step(rpc, lib, cfg, f)))
     if "trace" in cfg.cases and lib == "nbrpc":
         steps.append(("traced rpc_sync and rpc_async", sum(cfg.sync),
                       lambda f: bench_traced(rpc, cfg, f)))
     run_steps(steps, rec, save)
+
+
+def bench_cuda_echo(rpc: Any, label: str, reps: tuple[int, int],
+                    failures: list[str]) -> dict[str, float]:
+    """Echo of a float32 tensor on cuda:0 to the peer's cuda:0 (map {0: 0}) and
+    back; the clock stops once the answer is usable on the caller's stream."""
+    nbytes = CUDA_ECHO_SIZES[label]
+    x = torch.randn(nbytes // 4, device="cuda:0")
+
+    def call() -> None:
+        rpc.rpc_sync(PEER, _targets.echo, args=(x,))
+        torch.cuda.current_stream().synchronize()
+
+    samples = time_calls(call, *reps, failures)
+    back = rpc.rpc_sync(PEER, _targets.echo, args=(x,))  # checked after timing
+    if not (isinstance(back, torch.Tensor) and back.device == x.device and torch.equal(back, x)):
+        raise AssertionError(f"CUDA echo of {label} returned a different tensor")
+    med = statistics.median(samples)
+    return {f"cuda_echo_{label}_us": med * 1e6, f"cuda_echo_{label}_gbps": 2 * nbytes / med / 1e9}
+
+
+def bench_cuda_step(rpc: Any, lib: str, cfg: Config, failures: list[str]) -> dict[str, float]:
+    """One training step: a ``RemoteModule`` Linear(n, n) on the peer's cuda:0, a
+    local Linear(n, n) on cuda:0, distributed autograd and
+    ``DistributedOptimizer(SGD)``; and the same two layers in this process."""
+    dist_autograd, dist_optim = (importlib.import_module(m) for m in AUTOGRAD_MODULES[lib])
+    nn_module = importlib.import_module("nbrpc.nn" if lib == "nbrpc" else "torch.distributed.nn")
+    n = CUDA_STEP_N
+    remote_lin = nn_module.RemoteModule(f"{PEER}/cuda:0", torch.nn.Linear, args=(n, n))
+    local_lin = torch.nn.Linear(n, n).to("cuda:0")
+    x = torch.randn(64, n, device="cuda:0")
+    params = remote_lin.remote_parameters() + [rpc.RRef(p) for p in local_lin.parameters()]
+    opt = dist_optim.DistributedOptimizer(torch.optim.SGD, params, lr=0.01)
+
+    def step() -> None:
+        with dist_autograd.context() as ctx:
+            dist_autograd.backward(ctx, [local_lin(remote_lin(x)).sum()])
+            opt.step(ctx)
+        torch.cuda.synchronize()
+
+    a, b = torch.nn.Linear(n, n).to("cuda:0"), torch.nn.Linear(n, n).to("cuda:0")
+    sgd = torch.optim.SGD([*a.parameters(), *b.parameters()], lr=0.01)
+
+    def local_step() -> None:
+        sgd.zero_grad()
+        b(a(x)).sum().backward()
+        sgd.step()
+        torch.cuda.synchronize()
+
+    dist = statistics.median(time_calls(step, *cfg.cuda_step, failures))
+    one = statistics.median(time_calls(local_step, *cfg.cuda_step, failures))
+    return {"cuda_step_ms": dist * 1e3, "cuda_step_local_ms": one * 1e3}
+
+
+def gpu_count() -> int:
+    """GPUs here, asked of NVML: this process spawns the workers, so it must
+    not initialize CUDA itself."""
+    os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
+    return torch.cuda.device_count()
 
 
 def bench_traced(rpc: Any, cfg: Config, failures: list[str]) -> dict[str, float]:
@@ -577,8 +659,13 @@ def _worker(rank: int, lib: str, port: int, outdir: str, cfg: Config,
     rec["import_s"] = time.perf_counter() - t
     rec["rss_lib_mb"] = _targets.rss_mb()  # before init_rpc
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    options = None
+    if cfg.cases == ("cuda",):  # the CUDA group: each cuda:0 to the other's
+        options = rpc.TensorPipeRpcBackendOptions()
+        options.set_device_map(f"worker{1 - rank}", {"cuda:0": "cuda:0"})
     t = time.perf_counter()
-    rpc.init_rpc(f"worker{rank}", rank=rank, world_size=world_size)
+    rpc.init_rpc(f"worker{rank}", rank=rank, world_size=world_size,
+                 rpc_backend_options=options)
     done = time.perf_counter()
     rec.update(init_call_s=done - t, start_to_init_s=done - t_start)
     save()
@@ -791,6 +878,24 @@ def build_rows(nb: dict[str, Any], tc: dict[str, Any], cfg: Config,
             Row("… the same in one process, no RPC (ms/iter)",
                 *both("autograd_step_local_ms"), fmt="{:.2f}", ratio_ok=False),
         ]
+    if "cuda" in cfg.cases:
+        def cuda(key: str) -> tuple[float | None, float | None]:
+            return pair(lambda r: _metric(r["cuda"], key) if r.get("cuda") else None)
+
+        small = "4 KB"
+        rows += [
+            Row("CUDA echo 64 MB, map {0: 0}, bandwidth (GB/s)", *cuda("cuda_echo_64 MB_gbps"),
+                fmt="{:.2f}", target="ratio ≥ 2", test=lambda x: x >= 2.0),
+            Row(f"CUDA echo {small}, map {{0: 0}}, median RTT (µs)",
+                *cuda(f"cuda_echo_{small}_us"), fmt="{:.0f}", target="ratio ≤ 1",
+                test=lambda x: x <= 1.0),
+            Row(f"training step: RemoteModule Linear({CUDA_STEP_N}) on the peer's GPU + a "
+                "local one, dist autograd + DistributedOptimizer(SGD) (ms)",
+                *cuda("cuda_step_ms"), fmt="{:.2f}", target="ratio ≤ 1",
+                test=lambda x: x <= 1.0),
+            Row("… the same two layers in one process (ms; each column its own run)",
+                *cuda("cuda_step_local_ms"), fmt="{:.2f}", ratio_ok=False),
+        ]
     if "trace" in cfg.cases:
         rows += [
             Row("rpc_sync no-op inside debug.trace(), median (µs)",
@@ -933,6 +1038,8 @@ def problems(results: dict[str, dict[str, Any]]) -> list[str]:
             out += _run_problems(lib, res)
         if res.get("fork"):
             out += _run_problems(f"{lib} (3 workers)", res["fork"])
+        if res.get("cuda"):
+            out += _run_problems(f"{lib} (CUDA)", res["cuda"])
     return out
 
 
@@ -990,9 +1097,16 @@ def main(argv: list[str] | None = None) -> int:
     if unknown or not cases:
         ap.error(f"--cases: unknown {', '.join(sorted(unknown)) or 'empty list'}; "
                  f"choose from {', '.join(CASES)}")
+    gpus = gpu_count() if "cuda" in cases else 0
+    if "cuda" in cases and not gpus:
+        print("cuda: no GPU here, so no CUDA rows", file=sys.stderr)
+        cases = tuple(c for c in cases if c != "cuda")
+        if not cases:
+            ap.error("--cases cuda: no GPU here")
     cfg = dataclasses.replace(QUICK if args.quick else Config(), cases=cases)
     limit = args.timeout or (60.0 if args.quick else 100.0)
     cfg = dataclasses.replace(cfg, serve_timeout_s=limit)
+    two_cfg = dataclasses.replace(cfg, cases=tuple(c for c in cases if c != "cuda"))
     repeat = max(1, args.repeat or (1 if args.quick else 3))
     ports: set[int] = set()
     # the three-worker group may wait fork_deadline_s for frees (once: a failure ends it)
@@ -1016,7 +1130,7 @@ def main(argv: list[str] | None = None) -> int:
             ports.add(port)
             print(f"[{rep + 1}/{repeat}] running {lib} (MASTER_PORT={port}) ...",
                   file=sys.stderr, flush=True)
-            results[lib] = run_library(lib, port, cfg, limit)
+            results[lib] = run_library(lib, port, two_cfg, limit)
             if "rpc" in cases:
                 results[lib]["cold_import_s"], results[lib]["cold_import_error"] = (
                     cold_import_s(lib, cfg.import_runs))
@@ -1029,6 +1143,15 @@ def main(argv: list[str] | None = None) -> int:
                   f"(MASTER_PORT={port}) ...", file=sys.stderr, flush=True)
             fork = results[lib]["fork"] = run_library(lib, port, fork_cfg, fork_limit, 3)
             print(f"  {lib} done in {fork['wall_s']:.1f} s", file=sys.stderr, flush=True)
+        for lib in LIBRARIES if "cuda" in cases and gpus else ():
+            port = free_port(ports)
+            ports.add(port)
+            print(f"[{rep + 1}/{repeat}] running {lib}, CUDA tensors (MASTER_PORT={port}) ...",
+                  file=sys.stderr, flush=True)
+            cuda_cfg = dataclasses.replace(cfg, cases=("cuda",))
+            results[lib]["cuda"] = run_library(lib, port, cuda_cfg, limit)
+            print(f"  {lib} done in {results[lib]['cuda']['wall_s']:.1f} s", file=sys.stderr,
+                  flush=True)
         pyro: dict[str, Any] = {}
         if "rpc" in cases:
             print(f"[{rep + 1}/{repeat}] running Pyro5 ...", file=sys.stderr, flush=True)
