@@ -71,30 +71,56 @@ def to_host(t: torch.Tensor) -> torch.Tensor:
     """``t``'s elements in pinned host memory, copied once the work queued on
     the current stream (which made ``t``) is done; complete on return."""
     d = t.detach()
-    host = torch.empty(d.shape, dtype=d.dtype, pin_memory=True)
+    host = _pinned(d)
     host.copy_(d, non_blocking=True)
-    torch.cuda.current_stream(d.device).synchronize()
+    _wait(d.device)
     return host
+
+
+# -- the device primitives (a test stands in for them where there is no GPU) -------
+def _pinned(d: torch.Tensor) -> torch.Tensor:
+    return torch.empty(d.shape, dtype=d.dtype, pin_memory=True)
+
+
+def _wait(device: torch.device | str) -> None:
+    """Until the work queued on ``device``'s current stream is done."""
+    torch.cuda.current_stream(torch.device(device)).synchronize()
+
+
+def _copy_onto(src: torch.Tensor, device: str) -> torch.Tensor:
+    """A copy of ``src`` in memory of its own on ``device``, complete on return."""
+    dev = torch.device(device)
+    with torch.cuda.device(dev):
+        out = torch.empty_like(src, device=dev)
+        out.copy_(src)
+        _wait(dev)
+    return out
+
+
+def _share(d: torch.Tensor) -> tuple:
+    """PyTorch's IPC handle of ``d``'s memory (``torch.multiprocessing``'s
+    reduction; it records an event on the current stream)."""
+    from torch.multiprocessing.reductions import reduce_tensor
+
+    return reduce_tensor(d)[1]
+
+
+def _open(args: tuple) -> torch.Tensor:
+    """The sender's tensor, mapped here; the current stream waits for its event."""
+    from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
+    return rebuild_cuda_tensor(*args)
 
 
 # -- CUDA IPC --------------------------------------------------------------------
 def _reduce_ipc(t: torch.Tensor, target: str) -> tuple:
-    from torch.multiprocessing.reductions import reduce_tensor
-
-    _, args = reduce_tensor(t.detach())  # records an event on the current stream
-    return _rebuild_ipc, (args, target, *grad_meta(t))
+    return _rebuild_ipc, (_share(t.detach()), target, *grad_meta(t))
 
 
 def _rebuild_ipc(args: tuple, target: str, requires_grad: bool, is_param: bool,
                  token: Any) -> torch.Tensor:
-    from torch.multiprocessing.reductions import rebuild_cuda_tensor
-
-    src = rebuild_cuda_tensor(*args)  # opens the handle; the current stream waits the event
-    device = torch.device(target)
-    with torch.cuda.device(device):
-        out = torch.empty_like(src, device=device)
-        out.copy_(src)
-        torch.cuda.current_stream(device).synchronize()
+    src = _open(args)
+    out = _copy_onto(src, target)
     del src  # the sender's block may be reused from here
     return _finish(out, requires_grad, is_param, token)
 
@@ -107,10 +133,8 @@ _handoff_ids = itertools.count()
 
 def _reduce_handoff(t: torch.Tensor, target: str, ctx: Any) -> tuple:
     d = t.detach()
-    copy = d.to(target, copy=True)
-    torch.cuda.synchronize(d.device)
-    if copy.device != d.device:
-        torch.cuda.synchronize(copy.device)
+    _wait(d.device)  # what made it, first
+    copy = _copy_onto(d, target)
     key = next(_handoff_ids)
     with _handoff_lock:
         _handoffs[key] = copy

@@ -1,0 +1,129 @@
+"""The CUDA data path's Python (``nbrpc.serialize.cuda``) where there is no GPU:
+its device primitives (pinned memory, stream waits, copies onto a device, the
+IPC handle and its opening) are stood in for by CPU ones, and everything
+around them runs for real: the choice of route by where the peer runs, the
+pickled form, the in-process hand-off table, autograd's metadata, the counts.
+
+What this cannot check, CUDA itself (streams, events, IPC, copies), is
+``tests/test_cuda.py``'s, on a machine with a GPU (``make test-gpu``).
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+import pytest
+import torch
+
+from nbrpc.serialize import cuda, dumps, loads, pickler
+
+
+class Sent:
+    """A tensor pickled as a CUDA tensor bound for ``target`` would be (the
+    reducer calls ``cuda.reduce`` as ``_reduce_tensor`` does for one)."""
+
+    def __init__(self, t: torch.Tensor, target: str) -> None:
+        self.t, self.target = t, target
+
+    def __reduce__(self) -> tuple:
+        return cuda.reduce(self.t, self.target, pickler.current_context(), pickler._reduce_cpu)
+
+
+class Message:
+    """A message's context, as the reducers see it."""
+
+    maps_cpu = False
+    tag = stash = None
+
+    def __init__(self, place: str) -> None:
+        self.place = place
+        self.undo: list = []
+
+    def peer_place(self) -> str:
+        return self.place
+
+    def on_unsent(self, fn) -> None:
+        self.undo.append(fn)
+
+
+@pytest.fixture
+def device(monkeypatch) -> dict[str, list]:
+    """CPU stand-ins for the device primitives; what they were asked, by name."""
+    seen: dict[str, list] = {"wait": [], "copy": [], "onto": [], "share": [], "open": []}
+    shared: dict[int, torch.Tensor] = {}
+    ids = itertools.count()
+
+    def copy_onto(src: torch.Tensor, dev: str) -> torch.Tensor:
+        seen["copy"].append(dev)
+        return src.clone()
+
+    def share(d: torch.Tensor) -> tuple:
+        key = next(ids)
+        shared[key] = d  # the sender's memory, as the handle names it
+        seen["share"].append(key)
+        return (key, d.dtype)
+
+    def open_(args: tuple) -> torch.Tensor:
+        seen["open"].append(args[0])
+        return shared.pop(args[0])
+
+    monkeypatch.setattr(cuda, "_pinned", lambda d: torch.empty(d.shape, dtype=d.dtype))
+    monkeypatch.setattr(cuda, "_wait", lambda dev: seen["wait"].append(str(dev)))
+    monkeypatch.setattr(cuda, "_copy_onto", copy_onto)
+    monkeypatch.setattr(cuda, "_share", share)
+    monkeypatch.setattr(cuda, "_open", open_)
+    monkeypatch.setattr(pickler, "_onto", lambda t, dev: seen["onto"].append(dev) or t.clone())
+    monkeypatch.setattr(cuda, "counts", dict.fromkeys(cuda.counts, 0))
+    seen["shared"] = shared  # type: ignore[assignment]
+    return seen
+
+
+def _round_trip(value: Any, place: str) -> Any:
+    return loads(*dumps(value, Message(place)), Message(place))
+
+
+@pytest.mark.parametrize("place, route", [("remote", "staged"), ("host", "ipc"),
+                                          ("process", "in-process")])
+def test_each_place_takes_its_route_and_the_tensor_arrives_whole(device, place, route) -> None:
+    x = torch.arange(12.0).reshape(3, 4)
+    got = _round_trip({"x": Sent(x, "cuda:1"), "view": Sent(x.t(), "cuda:1")}, place)
+    assert torch.equal(got["x"], x) and torch.equal(got["view"], x.t())
+    assert cuda.counts[route] == 2 and sum(cuda.counts.values()) == 2
+    if route == "staged":  # through host memory, copied onto cuda:1 on arrival
+        assert device["onto"] == ["cuda:1", "cuda:1"] and device["copy"] == []
+        assert device["wait"] == ["cpu", "cpu"]  # the sender's stream, before the copy out
+    elif route == "ipc":  # each handle opened once, copied into the receiver's memory
+        assert device["open"] == device["share"] and len(device["share"]) == 2
+        assert device["copy"] == ["cuda:1", "cuda:1"] and not device["shared"]
+    else:  # copied on the sender, taken from the table by the receiver
+        assert device["copy"] == ["cuda:1", "cuda:1"] and not cuda._handoffs
+
+
+def test_a_tensor_bound_for_the_cpu_is_staged_whatever_the_place(device) -> None:
+    x = torch.ones(3)
+    for place in ("remote", "host", "process"):
+        assert torch.equal(_round_trip(Sent(x, "cpu"), place), x)
+    assert cuda.counts["staged"] == 3 and device["onto"] == [] and device["share"] == []
+
+
+@pytest.mark.parametrize("place", ["remote", "host", "process"])
+def test_parameters_and_requires_grad_survive_every_route(device, place) -> None:
+    p = torch.nn.Parameter(torch.ones(2, 2))
+    w = torch.ones(3, requires_grad=True)
+    got = _round_trip([Sent(p, "cuda:0"), Sent(w, "cuda:0")], place)
+    assert type(got[0]) is torch.nn.Parameter and got[0].requires_grad
+    assert got[1].requires_grad and got[1].grad_fn is None  # a leaf, as on the sender
+
+
+def test_an_unsent_hand_off_is_taken_back_and_a_second_delivery_is_refused(device) -> None:
+    msg = Message("process")
+    payload, buffers = dumps(Sent(torch.ones(2), "cuda:0"), msg)
+    assert len(cuda._handoffs) == 1
+    for undo in msg.undo:  # the message was never sent
+        undo()
+    assert not cuda._handoffs
+    payload, buffers = dumps(Sent(torch.ones(2), "cuda:0"), Message("process"))
+    loads(payload, buffers)
+    with pytest.raises(RuntimeError, match="taken already or dropped"):
+        loads(payload, buffers)
