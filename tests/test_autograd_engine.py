@@ -288,3 +288,27 @@ def test_gradients_go_back_to_the_devices_their_tensors_came_from(monkeypatch) -
     monkeypatch.setattr(pickler, "_onto", lambda t, d: moved.append(d) or t.clone())
     grads = loads(*dumps(out.grads))
     assert moved == ["cuda:1"] and torch.equal(grads[0], torch.full((2,), 2.0))
+
+
+def test_the_graph_names_the_device_of_each_node_off_the_cpu() -> None:
+    """The stepper's graph data marks each node's device where it is not the
+    CPU (the meta device stands in for a GPU), and its lane's title lists them;
+    a graph on the CPU is drawn as before."""
+    from nbrpc.autograd.backward import graph_data
+    from nbrpc.autograd.context import AutogradContext
+    from nbrpc.jupyter.stepper_graph import lane_title
+
+    class Agent:
+        name, rank = "w0", 0
+
+        def peer_name(self, rank: int) -> str:
+            return f"w{rank}"
+
+    x = torch.empty(2, device="meta", requires_grad=True)
+    d = graph_data(Agent(), AutogradContext(1), roots=[(x * 2).sum()])
+    assert [(n["name"], n.get("device")) for n in d["nodes"]] == [
+        ("SumBackward0", "meta"), ("MulBackward0", "meta"), ("AccumulateGrad", "meta")]
+    assert lane_title(d) == "w0 · meta"
+    y = torch.ones(2, requires_grad=True)
+    d = graph_data(Agent(), AutogradContext(2), roots=[(y * 2).sum()])
+    assert all("device" not in n for n in d["nodes"]) and lane_title(d) == "w0"

@@ -127,3 +127,37 @@ def test_an_unsent_hand_off_is_taken_back_and_a_second_delivery_is_refused(devic
     loads(payload, buffers)
     with pytest.raises(RuntimeError, match="taken already or dropped"):
         loads(payload, buffers)
+
+
+def test_a_trace_shows_the_cuda_bytes_each_message_carried_and_by_which_route(
+        device, trio_default) -> None:
+    """Real agents (in one process: the hand-off route), the device stood in
+    for: the request's CUDA bytes are noted on its message and summed in the
+    trace's text; a message without any is left as it was."""
+    from nbrpc import debug
+
+    a, _, _ = trio_default
+    x = torch.ones(256)  # 1 KiB
+    with debug.trace() as t:
+        got = a.rpc_sync("b", torch.clone, (Sent(x, "cuda:0"),))
+        a.rpc_sync("b", torch.clone, (x,))
+    assert torch.equal(got, x)
+    request, plain = (m for m in t.messages if m["kind"] == "call")
+    assert request["cuda"] == {"in-process": 1024} and "cuda" not in plain
+    assert "  CUDA tensors: 1.0 KiB handed over in-process" in str(t).splitlines()
+
+
+def test_the_cuda_routes_read_back_from_the_event_log() -> None:
+    from nbrpc import debug
+
+    entry = lambda t, event, peer, detail="abs": (100.0 + t, event, "call", peer, 7, 10,  # noqa: E731
+                                                  0.01, detail)
+    t = debug.Trace(workers=["a", "b"], start=100.0, duration=0.5,
+                    _offsets={"a": 0.0, "b": 0.0})
+    t._build({"a": [entry(0.1, "send", "b"), entry(0.1, "cuda", "b", "ipc=67108864"),
+                    entry(0.3, "recv", "b")],
+              "b": [entry(0.2, "serve", "a"), entry(0.2, "cuda", "a", "staged=8")]})
+    call_, reply = t.messages
+    assert call_["cuda"] == {"ipc": 64 << 20} and reply["cuda"] == {"staged": 8}
+    assert ("  CUDA tensors: 64.0 MiB by CUDA IPC, 8 B staged through host memory"
+            in str(t).splitlines())

@@ -54,6 +54,35 @@ def test_graph_owner_map_table_and_networkx(trio_default) -> None:
     assert poll_for(lambda: debug.rref_graph()["values"] == {})
 
 
+def on_meta(n: int):
+    import torch
+
+    return torch.zeros(n, device="meta")  # stands in for a GPU: every machine has it
+
+
+def test_values_off_the_cpu_are_labelled_with_their_device(trio_default) -> None:
+    """The owner map and the RRef graph say where a value's memory is when it is
+    not on the CPU, and the owner map adds it up per worker and device; values
+    on the CPU read as before."""
+    from nbrpc.jupyter.owner_map_view import owner_map_text
+    from nbrpc.jupyter.rref_graph_view import graph_model, graph_text
+
+    a, _, _ = trio_default
+    on_b = remote(a, "b", on_meta, (4,), {}, -1)
+    on_c = remote(a, "c", Box, (1,), {}, -1)
+    rid = str(on_b._id)
+    assert poll_for(lambda: rid in debug.rref_graph()["values"])
+    omap = debug.owner_map()
+    assert [r["device"] for r in omap["b"]] == ["meta"] and omap["c"][0]["device"] is None
+    text = owner_map_text(omap)
+    assert text.splitlines()[-1] == "  device memory held by RRef values: b meta 16 B"
+    assert f"{rid} on b: torch.Tensor, 16 B on meta," in graph_text(
+        graph_model(debug.rref_graph()))
+    del on_b, on_c
+    gc.collect()
+    assert poll_for(lambda: debug.rref_graph()["values"] == {})
+
+
 def test_why_alive_names_users_and_variables(trio_default) -> None:
     a, b, c = trio_default
     kept = remote(a, "b", Box, (3,), {}, -1)

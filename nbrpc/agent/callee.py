@@ -243,6 +243,9 @@ class Callee:
         self.events.add("serve" if type(reply) is Ok else "serve-error", op,
                         self.members.peer_name(env.sender), env.msg_id, nbytes,
                         time.perf_counter() - started)
+        if wire.cuda:
+            self.events.add("cuda", op, self.members.peer_name(env.sender), env.msg_id, 0,
+                            None, wire.cuda_detail())
 
     def _unpicklable_result(self, value: Any, what: str, e: SerializationError
                             ) -> SerializationError:

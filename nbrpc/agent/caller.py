@@ -199,6 +199,9 @@ class Caller:
             raise
         self.events.add("send", msg.op, self.members.peer_name(peer), mid, nbytes, None,
                         describe_message(msg))
+        if wire.cuda:  # (CUDA tensors by IPC are not in nbytes: their handles are)
+            self.events.add("cuda", msg.op, self.members.peer_name(peer), mid, 0, None,
+                            wire.cuda_detail())
 
     def _send_on(self, chan: Channel, p: Pending, timeout: float, kind: int, mid: int,
                  payload: bytes, buffers: list, first: list | None = None) -> int:

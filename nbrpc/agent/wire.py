@@ -43,7 +43,7 @@ class MessageContext:
     has not confirmed the copy)."""
 
     __slots__ = ("agent", "peer", "undo", "tag", "stash", "before", "refs_ok", "full", "refs",
-                 "answered", "answering", "reply", "maps_cpu")
+                 "answered", "answering", "reply", "maps_cpu", "cuda")
 
     def __init__(self, agent: Any, peer: int, tag: Any = None, refs_ok: bool = False,
                  reply: bool = False) -> None:
@@ -52,6 +52,7 @@ class MessageContext:
         # whether that map or this agent's own names "cpu" (CPU tensors may move)
         self.reply = reply
         self.maps_cpu = getattr(agent, "cpu_mapped", False)
+        self.cuda: dict[str, int] | None = None  # CUDA bytes it carried, by route
         self.undo: list[Callable[[], None]] | None = None
         self.stash: dict[str, Any] | None = None
         self.before: list[threading.Event] | None = None
@@ -75,6 +76,17 @@ class MessageContext:
         agent = self.agent
         return target_device(device, agent.device_map_to(self.peer, self.reply),
                              agent.members.peer_name(self.peer), not self.reply, agent.name)
+
+    def note_cuda(self, route: str, nbytes: int) -> None:
+        """A CUDA tensor of ``nbytes`` went by ``route`` ("ipc", "staged",
+        "in-process"): traces show it on the message."""
+        if self.cuda is None:
+            self.cuda = {}
+        self.cuda[route] = self.cuda.get(route, 0) + nbytes
+
+    def cuda_detail(self) -> str:
+        """What :meth:`note_cuda` recorded, as an event's detail ("ipc=67108864")."""
+        return " ".join(f"{k}={v}" for k, v in sorted((self.cuda or {}).items()))
 
     def peer_place(self) -> str:
         """Where the peer runs: ``"process"`` (this one), ``"host"`` (this host,

@@ -408,6 +408,15 @@ def _agent() -> Agent:
 
 
 # -- the distributed graph as plain data ------------------------------------------------------
+def _device_of(node: Any) -> str:
+    """The device of the gradient ``node`` takes (the first input's), or "cpu"."""
+    try:
+        return str(node._input_metadata[0].device)
+    except (AttributeError, IndexError, RuntimeError):
+        return "cpu"
+
+
+
 def graph_data(agent: Agent, ctx: AutogradContext,
                roots: list[torch.Tensor] | None = None) -> dict[str, Any]:
     """This worker's part of the context's graph: nodes from the roots and
@@ -424,6 +433,9 @@ def graph_data(agent: Agent, ctx: AutogradContext,
                 continue
             ids[n] = len(nodes)
             entry: dict[str, Any] = {"id": ids[n], "name": type(n).__name__, "next": []}
+            device = _device_of(n)
+            if device != "cpu":  # (a graph on the CPU stays as it was drawn before)
+                entry["device"] = device
             nodes.append(entry)
             var = getattr(n, "variable", None) if n.next_functions == () else None
             if var is not None:

@@ -50,7 +50,8 @@ def rref_graph(snapshots: list[dict[str, Any]] | None = None) -> RRefGraph:
         for v in rr.get("owned", []):
             values[v["rref_id"]] = {
                 "owner": snap["name"], "state": v["state"], "type": v["type"],
-                "nbytes": v["nbytes"], "site": v["site"], "age": v["age"],
+                "nbytes": v["nbytes"], "device": v.get("device"), "site": v["site"],
+                "age": v["age"],
                 "owner_refs": v["owner_refs"], "users": dict(v["forks"])}
         for u in rr.get("users", []):
             users.append({**{k: u[k] for k in ("rref_id", "fork_id", "owner", "parent",
@@ -73,7 +74,7 @@ def owner_map(snapshots: list[dict[str, Any]] | None = None) -> OwnerMap:
     for rid, v in sorted(graph["values"].items()):
         out.setdefault(v["owner"], []).append({
             "rref_id": rid, "type": v["type"], "nbytes": v["nbytes"], "state": v["state"],
-            "held_by": sorted(set(v["users"].values())), "owner_refs": v["owner_refs"],
+            "device": v.get("device"), "held_by": sorted(set(v["users"].values())), "owner_refs": v["owner_refs"],
             "site": v["site"]})
     return out
 

@@ -43,7 +43,7 @@ from typing import Any
 from .. import views
 from ..agent import current_agent, internal
 from ..agent.agent import INTERNAL
-from .words import plural
+from .words import fmt_bytes, plural
 
 # Requests and replies are paired on (caller, callee, msg id); the other log
 # entries (RRef lifecycle, autograd stages, members gone) are point events.
@@ -75,6 +75,23 @@ def family(op: str) -> str:
     if op.startswith("autograd"):
         return "autograd"
     return "other"
+
+
+ROUTE_WORDS = {"ipc": "by CUDA IPC", "staged": "staged through host memory",
+               "in-process": "handed over in-process"}
+
+
+def _routes(detail: str) -> dict[str, int]:
+    """A ``cuda`` event's detail read back: bytes by route.
+
+    >>> _routes("ipc=64 staged=8")
+    {'ipc': 64, 'staged': 8}
+    """
+    out = {}
+    for part in detail.split():
+        route, _, n = part.partition("=")
+        out[route] = int(n or 0)
+    return out
 
 
 @dataclass
@@ -160,7 +177,7 @@ class Trace:
 
     def _build(self, raw: dict[str, list[tuple]]) -> None:
         """Pair the logs' entries into messages (times from the trace's start)."""
-        sends, serves, recvs = {}, {}, {}
+        sends, serves, recvs, cuda = {}, {}, {}, {}
         events = []
         for worker, entries in raw.items():
             off = self._offsets.get(worker, 0.0) + self.start
@@ -173,6 +190,8 @@ class Trace:
                     continue
                 elif event == "send":
                     sends[(worker, peer, msg_id)] = (t, op, nbytes, detail)
+                elif event == "cuda":  # CUDA tensors the message carried, by route
+                    cuda[(worker, peer, msg_id)] = _routes(detail)
                 elif event in ("recv", "timeout"):
                     recvs[(worker, peer, msg_id)] = (t, op, nbytes, duration, event)
                 else:
@@ -199,6 +218,8 @@ class Trace:
             messages.append({
                 "kind": family(op), "op": op, "what": what, "src": caller, "dst": callee,
                 "msg_id": msg_id, "nbytes": nbytes, "t0": left, "t1": served})
+            if key in cuda:
+                messages[-1]["cuda"] = cuda[key]
             if serve or recv:
                 messages.append({
                     "kind": "reply", "op": op, "what": what, "src": callee, "dst": caller,
@@ -209,6 +230,8 @@ class Trace:
                     "latency": recv[3] if recv else None,
                     "error": "timed out" if recv is not None and recv[4] == "timeout"
                     else ("raised" if serve and serve[4] else None)})
+                if (callee, caller, msg_id) in cuda:
+                    messages[-1]["cuda"] = cuda[(callee, caller, msg_id)]
         self.messages = sorted(messages, key=_order)
         self.events = sorted(events, key=lambda e: (e["time"], e["worker"]))
 
@@ -240,6 +263,13 @@ class Trace:
             for (a, b), (n_req, n_rep) in sorted(pairs.items()):
                 lines.append(f"  {kind}: {plural(n_req, 'request')}, {plural(n_rep, 'reply')}"
                              f"  {a} -> {b}")
+        routes: dict[str, int] = {}
+        for m in self.messages:
+            for route, n in m.get("cuda", {}).items():
+                routes[route] = routes.get(route, 0) + n
+        if routes:  # (CUDA tensors by IPC travel outside the messages' bytes)
+            lines.append("  CUDA tensors: " + ", ".join(
+                f"{fmt_bytes(n)} {ROUTE_WORDS.get(r, r)}" for r, n in sorted(routes.items())))
         lines += [f"  lost: {name}: {why}" for name, why in sorted(self.lost.items())]
         return "\n".join(lines)
 

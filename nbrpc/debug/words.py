@@ -27,3 +27,19 @@ def plural(n: int, noun: str, nouns: str | None = None) -> str:
 def a(noun: str) -> str:
     """The noun with its indefinite article: ``a list``, ``an Optimizer``."""
     return f"{'an' if noun[:1].lower() in ('a', 'e', 'i', 'o', 'u') else 'a'} {noun}"
+
+
+def fmt_bytes(n: int | float | None) -> str:
+    """A size in bytes, in B, KiB, MiB or GiB.
+
+    >>> fmt_bytes(16), fmt_bytes(64 << 20), fmt_bytes(None)
+    ('16 B', '64.0 MiB', '?')
+    """
+    if n is None:
+        return "?"
+    n = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{int(n)} B" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")

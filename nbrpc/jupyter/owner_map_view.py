@@ -92,7 +92,27 @@ def owner_map_text(omap: dict[str, list[dict[str, Any]]]) -> str:
             for h in holders_of(omap) if (owner, h) in cells) if rows else ""
         lines.append(f"  {owner}: owns {len(rows)} value{'' if len(rows) == 1 else 's'}, "
                      f"{fmt_bytes(size)}{held if any(r['held_by'] for r in rows) else ''}")
+    on_devices = device_bytes(omap)
+    if on_devices:
+        lines.append("  device memory held by RRef values: " + "; ".join(
+            f"{owner} {device} {fmt_bytes(b)}" for (owner, device), b in on_devices.items()))
     return "\n".join(lines)
+
+
+def device_bytes(omap: dict[str, list[dict[str, Any]]]) -> dict[tuple[str, str], int]:
+    """Bytes of the values each worker owns off its CPU, by (owner, device).
+
+    >>> device_bytes({"w1": [{"nbytes": 8, "device": "cuda:0"}, {"nbytes": 4, "device": None},
+    ...                      {"nbytes": 2, "device": "cuda:0"}], "w2": [{"nbytes": 1}]})
+    {('w1', 'cuda:0'): 10}
+    """
+    out: dict[tuple[str, str], int] = {}
+    for owner, rows in omap.items():
+        for r in rows:
+            if r.get("device"):
+                key = (owner, r["device"])
+                out[key] = out.get(key, 0) + (r["nbytes"] or 0)
+    return out
 
 
 def column_label(name: str, width: int) -> str:

@@ -69,6 +69,12 @@ PLAIN_BOX = ('fill="currentColor" fill-opacity="0.03"', "#5b7083")
 NO_FILL = 'fill="none"'
 
 
+
+def _size(n: dict[str, Any]) -> str:
+    """A value's size, and its device where it is off the CPU ("64.0 MiB on cuda:0")."""
+    device = n.get("device")
+    return fmt_bytes(n["nbytes"]) + (f" on {device}" if device else "")
+
 def natural(text: str) -> tuple:
     """Sort key: ``worker2`` before ``worker10``, ``0:9`` before ``0:10``."""
     return tuple((0, int(p), "") if p.isdigit() else (1, 0, p)
@@ -89,7 +95,8 @@ def graph_model(graph: dict[str, Any], outputs: dict[str, dict[str, list[str]]] 
     nodes: dict[str, dict[str, Any]] = {}
     for rid, v in values.items():
         nodes[rid] = {"rid": rid, "owner": v["owner"], "type": v.get("type"),
-                      "nbytes": v.get("nbytes"), "site": v.get("site", "?"),
+                      "nbytes": v.get("nbytes"), "device": v.get("device"),
+                      "site": v.get("site", "?"),
                       "state": v.get("state", "ready"), "owner_refs": v.get("owner_refs", 0),
                       "holders": {(h, f): "registered" for f, h in v.get("users", {}).items()},
                       "pending": [], "flags": [], "outputs": []}
@@ -184,7 +191,7 @@ def graph_text(model: dict[str, Any], limit: int = TEXT_LIMIT) -> str:
                             for (h, _), s in sorted(n["holders"].items(),
                                                     key=lambda kv: natural(kv[0][0])))
         flags = f" [{', '.join(n['flags'])}]" if n["flags"] else ""
-        lines.append(f"  {rid} on {n['owner']}: {n['type'] or '?'}, {fmt_bytes(n['nbytes'])}, "
+        lines.append(f"  {rid} on {n['owner']}: {n['type'] or '?'}, {_size(n)}, "
                      f"{n['site']}, held by {holders or 'nobody'}; {n['state']}{flags}")
     if len(rids) > limit:
         lines.append(f"  … and {len(rids) - limit:,} more")
@@ -292,14 +299,14 @@ def _node(n: dict[str, Any], x0: float, y0: float, col: float, row: float, compa
     width, chars = col - 16, int((col - 24) / 6.4)
     dash = ' stroke-dasharray="4,2"' if n["state"] in ("missing", "pending") else ""
     head = f"{n['rid']} {short_type(n['type'])}"
-    sub = f"{fmt_bytes(n['nbytes'])} · {n['site']}"
+    sub = f"{_size(n)} · {n['site']}"
     text = (f'<text x="{x0 + 12:.0f}" y="{y0 + 12:.0f}">{esc(clip(head + " " + sub, chars))}</text>'
             if compact else
             f'<text x="{x0 + 12:.0f}" y="{y0 + 12:.0f}" font-weight="bold">'
             f'{esc(clip(head, chars))}</text><text x="{x0 + 12:.0f}" y="{y0 + 24:.0f}" '
             f'{MUTED}>{esc(clip(sub, chars))}</text>')
     tip = [f"RRef {n['rid']} owned by {n['owner']}: {n['type'] or '?'} "
-           f"({fmt_bytes(n['nbytes'])}), {n['state']}", f"created at {n['site']}",
+           f"({_size(n)}), {n['state']}", f"created at {n['site']}",
            f"owner-side RRefs: {n['owner_refs']}",
            "held by: " + (", ".join(f"{h} ({s})" for (h, _), s in sorted(n["holders"].items()))
                           or "nobody")]

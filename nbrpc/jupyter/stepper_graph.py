@@ -342,6 +342,21 @@ def graph_svg(replay: _Replay, last: dict[str, Any] | None) -> str:
     return svg(width, height, "".join(parts), "distributed backward graph", themed=True)
 
 
+def lane_title(d: dict[str, Any]) -> str:
+    """A lane's title: the worker, and the devices its nodes run on where any
+    is off the CPU.
+
+    >>> lane_title({"worker": "w1", "nodes": [{"device": "cuda:0"}, {}, {"device": "cuda:0"}]})
+    'w1 · cuda:0, cpu'
+    >>> lane_title({"worker": "w1", "nodes": [{}]})
+    'w1'
+    """
+    devices = [n.get("device", "cpu") for n in d["nodes"]]
+    if all(x == "cpu" for x in devices):
+        return d["worker"]
+    return f"{d['worker']} · {', '.join(dict.fromkeys(devices))}"
+
+
 def _lane(ln: _Lane, i: int, bottom: float, top: float, last: dict[str, Any] | None,
           last_stage: int, pos: dict, replay: _Replay) -> list[str]:
     """One lane's markup: its box and title, its edges, then its boxes over them (one
@@ -357,7 +372,7 @@ def _lane(ln: _Lane, i: int, bottom: float, top: float, last: dict[str, Any] | N
              f'<rect x="{ln.x + 8:.0f}" y="{top + 6:.0f}" width="9" height="9" rx="2" '
              f'fill="{WORKER_COLOURS[i % len(WORKER_COLOURS)]}"/>'
              f'<text x="{ln.x + 21:.0f}" y="{top + 15:.0f}" font-weight="bold">'
-             f"{esc(clip(w, max(6, int((ln.width - 13) // 7))))}</text>"]
+             f"{esc(clip(lane_title(d), max(6, int((ln.width - 13) // 7))))}</text>"]
     if ln.more:
         parts.append(f'<text x="{ln.x + 8:.0f}" y="{bottom - 6:.0f}" {MUTED}>… and '
                      f"{ln.more} more nodes</text>")

@@ -290,7 +290,8 @@ class StepperView(View):
         node = next(n for n in d["nodes"] if n["id"] == int(ident))
         k = self.state.replay.ran.get((worker, node["id"]))
         leaf = (f"<br>leaf {esc(_node_label(node, self.state.replay))}" if "leaf" in node else "")
-        return (f"<p><b>{esc(node['name'])}</b> on {esc(worker)}{leaf}<br>"
+        where = f" ({esc(node['device'])})" if "device" in node else ""
+        return (f"<p><b>{esc(node['name'])}</b> on {esc(worker)}{where}{leaf}<br>"
                 f"{f'ran in stage {k}' if k else 'not run yet'}; feeds "
                 f"{plural(len(node['next']), 'node')}</p><hr>")
 

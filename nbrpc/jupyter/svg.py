@@ -28,6 +28,7 @@ from __future__ import annotations
 import html
 
 from ..debug.trace import family
+from ..debug.words import fmt_bytes  # noqa: F401 (the views import it from here)
 
 # One colour per family of messages and states (colour-blind-safe, Okabe-Ito).
 KIND_COLOURS = {
@@ -78,17 +79,6 @@ def clip_middle(text: str, width: int) -> str:
         return text
     tail = width // 2
     return text[: width - 1 - tail] + "…" + text[len(text) - tail:]
-
-
-def fmt_bytes(n: int | float | None) -> str:
-    if n is None:
-        return "?"
-    n = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{int(n)} B" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    raise AssertionError("unreachable")
 
 
 def svg(width: float, height: float, body: str, label: str, themed: bool = False) -> str:

@@ -345,9 +345,10 @@ class RRefContext:
                 {"fork_id": str(c.fork_id), "to": name(c.to), "age": now - c.since})
         owned = []
         for e in list(st.owned.values()):
-            state, typ, nbytes = _describe_value(e.value)
+            state, typ, nbytes, device = _describe_value(e.value)
             owned.append({
                 "rref_id": str(e.rref_id), "state": state, "type": typ, "nbytes": nbytes,
+                "device": device,
                 "forks": {str(f): name(h) for f, h in sorted(e.forks.items())},
                 "owner_refs": e.owner_refs,
                 "pending_children": children.get(e.rref_id, []),
@@ -364,13 +365,33 @@ class RRefContext:
                              "undelivered": self.gave_up, "outstanding": self.busy()}}
 
 
-def _describe_value(fut: torch.futures.Future) -> tuple[str, str | None, int | None]:
+def _describe_value(fut: torch.futures.Future
+                    ) -> tuple[str, str | None, int | None, str | None]:
     if not fut.done():
-        return "pending", None, None
+        return "pending", None, None, None
     v, exc = outcome(fut)
     if exc is not None:
-        return "error", type(exc).__name__, None
-    return "ready", f"{type(v).__module__}.{type(v).__qualname__}", nbytes_of(v)
+        return "error", type(exc).__name__, None, None
+    return "ready", f"{type(v).__module__}.{type(v).__qualname__}", nbytes_of(v), device_of(v)
+
+
+def device_of(value: Any) -> str | None:
+    """Where a value's memory is, when not (only) on the CPU: a tensor's device,
+    or the first off-CPU device among a module's parameters and buffers; None
+    for everything else.
+
+    >>> device_of(torch.zeros(2)), device_of(torch.zeros(2, device="meta"))
+    (None, 'meta')
+    >>> device_of(torch.nn.Linear(2, 2).to("meta")), device_of([1])
+    ('meta', None)
+    """
+    if isinstance(value, torch.Tensor):
+        return None if value.device.type == "cpu" else str(value.device)
+    if isinstance(value, torch.nn.Module):
+        for t in (*value.parameters(), *value.buffers()):
+            if t.device.type != "cpu":
+                return str(t.device)
+    return None
 
 
 def nbytes_of(value: Any, _depth: int = 0) -> int:

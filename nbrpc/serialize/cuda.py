@@ -53,18 +53,18 @@ def reduce(t: torch.Tensor, target: str, ctx: Any,
            reduce_cpu: Callable[..., tuple]) -> tuple:
     """Pickle the CUDA tensor ``t`` to land on ``target`` (``"cpu"`` or
     ``"cuda:N"``, the receiver's device) at the peer of ``ctx``."""
-    if target == "cpu":
-        counts["staged"] += 1
-        return reduce_cpu(t, to_host(t))
     place = ctx.peer_place()
-    if place == "process":
-        counts["in-process"] += 1
+    route = ("staged" if target == "cpu" else "in-process" if place == "process"
+             else "ipc" if place == "host" and IPC else "staged")
+    counts[route] += 1
+    note = getattr(ctx, "note_cuda", None)
+    if note is not None:
+        note(route, t.element_size() * t.nelement())
+    if route == "in-process":
         return _reduce_handoff(t, target, ctx)
-    if place == "host" and IPC:
-        counts["ipc"] += 1
+    if route == "ipc":
         return _reduce_ipc(t, target)
-    counts["staged"] += 1
-    return reduce_cpu(t, to_host(t), target)
+    return reduce_cpu(t, to_host(t), None if target == "cpu" else target)
 
 
 def to_host(t: torch.Tensor) -> torch.Tensor:
