@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# One run of the GPU checks on a lent machine with a GPU (the `run` device tool), which
+# has a CUDA build of torch but none of nbrpc's other dependencies:
+#
+#   run(command="bash tools/gpu_session.sh", carry=[".gpu-wheels"], timeout_s=560)
+#
+# .gpu-wheels/ (git-ignored) holds cp312 wheels of those dependencies, downloaded where
+# the package index is reachable:
+#   pip download --only-binary=:all: --python-version 3.12 -d .gpu-wheels \
+#       pyzmq cloudpickle ipyparallel ipywidgets anywidget psutil numpy \
+#       pytest pytest-timeout pytest-rerunfailures expecttest ipython
+# They go into a private directory (never into the machine's Python), then
+# `make test-gpu` runs the cuda tier, PyTorch's CUDA RPC suite and the CUDA
+# benchmark rows. Everything it prints is also written to $OUT/test-gpu.log.
+set -u
+out=${OUT:-/tmp}
+deps=$(mktemp -d /tmp/nbrpc-deps.XXXXXX)
+{
+  nvidia-smi -L || true
+  python3 -m pip install --quiet --no-deps --no-index --target "$deps" .gpu-wheels/*.whl
+  export PYTHONPATH="$deps:$PWD"
+  python3 -c "import torch, zmq, numpy; print('torch', torch.__version__, 'cuda',
+torch.version.cuda, 'pyzmq', zmq.__version__, 'numpy', numpy.__version__)"
+  timeout 500 make test-gpu GPU_PYTHON=python3
+  echo "make test-gpu: exit status $?"
+} 2>&1 | tee "$out/test-gpu.log"
