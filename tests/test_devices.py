@@ -307,3 +307,23 @@ def test_with_gpus_each_pair_maps_home_to_home_unless_a_map_is_given() -> None:
         assert plan("w1", {m.name: m.devices for m in a1.members.members()}).devices == ("cuda:1",)
     with pytest.raises(DeviceMapError, match="Node w1 has an invalid home device cuda:1"):
         check({"w1": DeviceConfig(count=1, home="cuda:1")})
+
+
+def test_cuda_ipc_only_to_a_process_of_this_host_that_numbers_the_gpus_alike(monkeypatch) -> None:
+    """Where a CUDA tensor goes by IPC: a peer on this host whose
+    CUDA_VISIBLE_DEVICES is this process's (IPC handles name a device by its
+    index). Agents of one process hand over in-process; here they are made to
+    look like processes of their own."""
+    from conftest import local_group
+
+    from nbrpc.agent import agent as agent_module
+
+    per_rank = {0: {"devices": DeviceConfig(1)}, 1: {"devices": DeviceConfig(1)},
+                2: {"devices": DeviceConfig(1, visible="1")}}
+    with local_group(["w0", "w1", "w2", "w3"], per_rank=per_rank) as (a0, *_):
+        assert a0.peer_place(1) == "process"
+        monkeypatch.setattr(agent_module, "_IN_THIS_PROCESS", set())
+        assert a0.peer_place(0) == "process"  # itself
+        assert a0.peer_place(1) == "host"  # same host, same numbering
+        assert a0.peer_place(2) == "remote"  # another numbering: staged
+        assert a0.peer_place(3) == "remote"  # published no devices: staged

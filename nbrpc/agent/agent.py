@@ -338,12 +338,18 @@ class Agent:
         return found
 
     def peer_place(self, peer: int) -> str:
-        """Where ``peer`` runs: ``"process"`` (this process), ``"host"`` (this
-        host, as this user: CUDA IPC and shared memory reach it) or ``"remote"``."""
+        """Where ``peer`` runs, for CUDA tensors: ``"process"`` (this process),
+        ``"host"`` (this host, as this user, numbering the GPUs as this process
+        does: CUDA IPC reaches it) or ``"remote"`` (staged through host memory)."""
         m = self.members.get(peer)
         if peer == self.rank or (m is not None and m.incarnation in _IN_THIS_PROCESS):
             return "process"
-        return "host" if m is not None and same_identity(m.local) else "remote"
+        if m is None or not same_identity(m.local):
+            return "remote"
+        mine, theirs = self.me.devices, m.devices
+        if mine is None or theirs is None or mine.visible != theirs.visible:
+            return "remote"  # (CUDA IPC handles name a device by its index here)
+        return "host"
 
     def expel(self, rank: int, dead: bool = True, why: str | None = None) -> None:
         """Coordinator only: drop ``rank`` from the group now, as the failure

@@ -47,6 +47,9 @@ class DeviceConfig:
     # its own device in a cluster started with gpus=True (a GPU, or "cpu"): with
     # no map to a peer that has one too, its map is {its home: the peer's home}
     home: str | None = None
+    # its CUDA_VISIBLE_DEVICES (None: unset): CUDA IPC between two processes of
+    # one host only where both number the GPUs alike
+    visible: str | None = None
 
     def map_to(self, name: str, peer: DeviceConfig | None = None) -> dict[str, str]:
         """Its map to ``name``: the one set, else home to ``peer``'s home.

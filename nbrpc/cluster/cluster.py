@@ -267,7 +267,8 @@ class Cluster:
                             host=self.host, port=0, heartbeat_interval=self.heartbeat,
                             encrypt=self.encrypt, **self._failure_option(),
                             devices=gpus_.config(0, self.device_maps.get("driver", ()),
-                                                 self.gpus, here))
+                                                 self.gpus, here)
+                            if self.gpus or self.device_maps else None)
         self.agent = Agent("driver", 0, key, world_size=None, options=opts)
         self.agent.start(None, self.timeout)
         set_default_agent(self.agent)
@@ -510,9 +511,9 @@ class Cluster:
 
     def _device_options(self, name: str) -> dict[str, Any]:
         """What the engine of ``name`` builds its devices from (start_agent)."""
-        maps = self.device_maps.get(name, ())
-        return {"device_maps": maps, "gpus": True} if self.gpus else (
-            {"device_maps": maps} if maps else {})
+        if not (self.gpus or self.device_maps):
+            return {}
+        return {"device_maps": self.device_maps.get(name, ()), "gpus": self.gpus}
 
     def _ask_queue(self, workers: list[_Worker], every: float = 1.0) -> bool:
         """Refresh the Slurm jobs of ``workers`` from ``squeue``, at most once per

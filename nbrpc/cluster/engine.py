@@ -48,8 +48,8 @@ def start_agent(names: dict[str, int], fallback: str, coordinator: str, key: byt
         _Default.agent.shutdown(graceful=False)
     host = urlparse(coordinator).hostname or "127.0.0.1"
     options = dict(options)
-    maps, gpus = options.pop("device_maps", ()), options.pop("gpus", False)
-    if maps or gpus:
+    maps, gpus = options.pop("device_maps", None), options.pop("gpus", False)
+    if maps is not None:  # (the cluster has device maps or GPUs)
         count = torch.cuda.device_count()
         options["devices"] = gpus_.config(rank, maps, gpus, count)
         if gpus:

@@ -84,11 +84,12 @@ def home_device(rank: int, count: int) -> str:
     return f"cuda:{(rank - 1) % count}"
 
 
-def config(rank: int, maps: Maps, gpus: bool, count: int) -> DeviceConfig | None:
-    """What member ``rank`` publishes (None: no maps, no GPU of its own)."""
-    if not maps and not gpus:
-        return None
-    return DeviceConfig(count=count, maps=maps, home=home_device(rank, count) if gpus else None)
+def config(rank: int, maps: Maps, gpus: bool, count: int) -> DeviceConfig:
+    """What member ``rank`` of a cluster with device maps or GPUs publishes."""
+    import os
+
+    return DeviceConfig(count=count, maps=maps, home=home_device(rank, count) if gpus else None,
+                        visible=os.environ.get("CUDA_VISIBLE_DEVICES"))
 
 
 def count_here() -> int:

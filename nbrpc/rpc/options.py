@@ -148,14 +148,15 @@ def device_config(opts: Any, count: int) -> DeviceConfig:
     and devices of its options (ours or PyTorch's), as strings.
 
     >>> device_config(TensorPipeRpcBackendOptions(device_maps={"w1": {"cpu": "cuda:0"}}), 0)
-    DeviceConfig(count=0, maps=(('w1', (('cpu', 'cuda:0'),)),), devices=(), home=None)
+    DeviceConfig(count=0, maps=(('w1', (('cpu', 'cuda:0'),)),), devices=(), home=None, visible=None)
     """
     maps = getattr(opts, "device_maps", None) or {}
     return DeviceConfig(
         count=count,
         maps=tuple(sorted((to, tuple(sorted((str(k), str(v)) for k, v in m.items())))
                           for to, m in maps.items() if m)),
-        devices=tuple(str(torch.device(d)) for d in getattr(opts, "devices", None) or ()))
+        devices=tuple(str(torch.device(d)) for d in getattr(opts, "devices", None) or ()),
+        visible=os.environ.get("CUDA_VISIBLE_DEVICES"))
 
 
 def _seconds(value: Any, name: str) -> float:
