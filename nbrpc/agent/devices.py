@@ -220,7 +220,9 @@ def _advice(device: str, peer: str, request: bool, me: str) -> str:
     if request:
         return (f"\nnbrpc: give this worker a map for {device}, e.g. "
                 f"options.set_device_map({peer!r}, {{{device!r}: 'cuda:0'}}) before init_rpc "
-                "(replies come back along the same map, inverted); or send .cpu().")
+                "(replies come back along the same map, inverted), or in a notebook start "
+                "the cluster with %rpc_cluster start N --gpus (Cluster(gpus=True), or "
+                "Cluster(device_maps=...)); or send .cpu().")
     return (f"\nnbrpc: the result holds a tensor on {device}, which the caller's map to "
             f"{me or 'this worker'} does not name: add {{...: {device!r}}} to "
             f"{peer!r}'s set_device_map({me or 'this worker'!r}, ...), or return .cpu().")
