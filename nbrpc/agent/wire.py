@@ -43,15 +43,12 @@ class MessageContext:
     has not confirmed the copy)."""
 
     __slots__ = ("agent", "peer", "undo", "tag", "stash", "before", "refs_ok", "full", "refs",
-                 "answered", "answering", "reply", "maps_cpu", "cuda")
+                 "answered", "answering", "reply", "cuda")
 
     def __init__(self, agent: Any, peer: int, tag: Any = None, refs_ok: bool = False,
                  reply: bool = False) -> None:
         self.agent, self.peer, self.tag = agent, peer, tag
-        # an answer (its tensors follow the caller's device map, inverted), and
-        # whether that map or this agent's own names "cpu" (CPU tensors may move)
-        self.reply = reply
-        self.maps_cpu = getattr(agent, "cpu_mapped", False)
+        self.reply = reply  # an answer: its tensors follow the caller's device map, inverted
         self.cuda: dict[str, int] | None = None  # CUDA bytes it carried, by route
         self.undo: list[Callable[[], None]] | None = None
         self.stash: dict[str, Any] | None = None
@@ -68,6 +65,12 @@ class MessageContext:
     @property
     def codes(self) -> CodeCache:
         return self.agent.codes
+
+    @property
+    def maps_cpu(self) -> bool:
+        """Whether a device map of this agent's group names "cpu" (so CPU
+        tensors may land on a GPU and the reducer must ask :meth:`target`)."""
+        return self.agent.cpu_mapped
 
     def target(self, device: str) -> str:
         """The peer's device a tensor on ``device`` goes to (PyTorch's rules:

@@ -77,27 +77,35 @@ def current_context() -> Any:
 # torch.from_numpy(). dtypes numpy lacks (bfloat16, float8, ...) go through
 # torch views instead.
 def _reduce_tensor(t: torch.Tensor) -> tuple:
-    kind = t.device.type
-    if kind == "cpu":
-        ctx = _context.get()
-        if ctx is not None and getattr(ctx, "maps_cpu", False):
-            target = ctx.target("cpu")  # a map names "cpu": the tensor may land on a GPU
-            if target != "cpu":
-                return _reduce_cpu(t, t, target)
+    ctx = _context.get()
+    if t.device.type == "cpu":
+        if ctx is not None and getattr(ctx, "maps_cpu", False):  # it may go to a GPU
+            return _reduce_to(t, ctx.target("cpu"))
         return _reduce_cpu(t, t)
-    if kind == "cuda" and t.layout is torch.strided and not t.is_quantized:
-        ctx = _context.get()
-        if ctx is None or not hasattr(ctx, "target"):
-            raise SerializationError(
-                f"a tensor on {t.device} was pickled outside an RPC message, where no device "
-                "map says where it goes: send it with rpc_sync/rpc_async/remote, or .cpu() it.")
-        target = ctx.target(str(t.device))  # PyTorch's error where no map names its device
-        from . import cuda  # (only where a CUDA tensor is sent)
-        return cuda.reduce(t, target, ctx, _reduce_cpu)
-    raise SerializationError(
-        f"nbrpc moves CPU tensors, and strided CUDA tensors along device maps; this one is "
-        f"a {t.layout} tensor on {t.device}: move it with .cpu() before sending (and make "
-        "a sparse or quantized CUDA tensor dense).")
+    if t.device.type != "cuda":
+        return _reduce_to(t, str(t.device))  # (refused, saying why)
+    if ctx is None or not hasattr(ctx, "target"):
+        raise SerializationError(
+            f"a tensor on {t.device} was pickled outside an RPC message, where no device "
+            "map says where it goes: send it with rpc_sync/rpc_async/remote, or .cpu() it.")
+    # PyTorch's error where no map names its device
+    return _reduce_to(t, ctx.target(str(t.device)))
+
+
+def _reduce_to(t: torch.Tensor, target: str) -> tuple:
+    """``t``, pickled to land on the receiver's ``target`` device."""
+    if t.device.type == "cpu":
+        return _reduce_cpu(t, t, None if target == "cpu" else target)
+    ctx = _context.get()
+    if (t.device.type != "cuda" or t.layout is not torch.strided or t.is_quantized
+            or ctx is None or not hasattr(ctx, "peer_place")):
+        raise SerializationError(
+            f"nbrpc moves CPU tensors, and strided CUDA tensors along device maps in RPC "
+            f"messages; this one is a {t.layout} tensor on {t.device}: move it with .cpu() "
+            "before sending (and make a sparse or quantized CUDA tensor dense).")
+    from . import cuda  # (only where a CUDA tensor is sent)
+
+    return cuda.reduce(t, target, ctx, _reduce_cpu)
 
 
 def grad_meta(t: torch.Tensor) -> tuple[bool, bool, Any]:
@@ -130,9 +138,6 @@ def _reduce_cpu(t: torch.Tensor, data: torch.Tensor, device: str | None = None) 
     if not arr.flags.c_contiguous:
         arr = np.ascontiguousarray(arr)  # only the view's own elements travel
         strides = _layout_to_restore(data)
-    if device is None:
-        return _rebuild_numpy, (pickle.PickleBuffer(arr), arr.dtype.str, arr.shape,
-                                requires_grad, is_param, token, strides)
     return _rebuild_numpy, (pickle.PickleBuffer(arr), arr.dtype.str, arr.shape, requires_grad,
                             is_param, token, strides, device)
 
@@ -179,7 +184,7 @@ def _finish(t: torch.Tensor, requires_grad: bool, is_param: bool, token: Any,
 def _onto(t: torch.Tensor, device: str) -> torch.Tensor:
     """``t`` (received, on the CPU) copied onto ``device``; the copy is complete
     on return, whatever stream reads it next."""
-    return t.to(device) if device != "cpu" else t
+    return t.to(device)
 
 
 def _rebuild_numpy(buf: Any, dtype: str, shape: tuple, requires_grad: bool,
@@ -218,24 +223,9 @@ class Placed:
         self.tensor, self.device = tensor, device
 
 
-def _reduce_placed(p: Placed) -> tuple:
-    t, device = p.tensor, p.device
-    if t.device.type == "cuda" and t.layout is torch.strided and not t.is_quantized:
-        from . import cuda
-
-        ctx = _context.get()
-        if ctx is None or not hasattr(ctx, "peer_place"):
-            raise SerializationError(f"a tensor on {t.device} was pickled outside an RPC "
-                                     "message: .cpu() it")
-        return cuda.reduce(t, device, ctx, _reduce_cpu)
-    if t.device.type == "cpu":
-        return _reduce_cpu(t, t, None if device == "cpu" else device)
-    return _reduce_tensor(t)  # (refused, with the reason)
-
-
 register_reducer(torch.Tensor, _reduce_tensor)
 register_reducer(torch.nn.Parameter, _reduce_tensor)
-register_reducer(Placed, _reduce_placed)
+register_reducer(Placed, lambda p: _reduce_to(p.tensor, p.device))
 
 
 # -- pickler -----------------------------------------------------------------
