@@ -39,9 +39,10 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from fractions import Fraction
 from functools import partial
+from itertools import repeat
 from typing import Any
 
 import torch
@@ -233,17 +234,16 @@ def placed(ctx: AutogradContext, out: Outgoing) -> Outgoing:
     off a CPU, bound for that tensor's device at its sender (the forward's
     device map, inverted), whatever maps this message would follow."""
     recv = ctx.recvs.get(out.msg_id)
-    origins = recv.origins if recv is not None else []
-    if all(g is None or g.device.type == "cpu" for g in out.grads) and all(
-            o == "cpu" for o in origins):
-        return out
-    grads = [g if g is None or i >= len(origins) else Placed(g, origins[i])
-             for i, g in enumerate(out.grads)]
-    return Outgoing(out.peer, out.msg_id, grads)
+    grads = _bound(out.grads, recv.origins if recv is not None else repeat("cpu"))
+    return out if grads is out.grads else Outgoing(out.peer, out.msg_id, grads)
 
 
-def _on_cpu(grads: list) -> list:
-    return [g if g is None or g.device.type == "cpu" else Placed(g, "cpu") for g in grads]
+def _bound(grads: list, devices: Iterable[str]) -> list:
+    """``grads``, each bound for its device (as :class:`Placed`) unless it and
+    its device are the CPU; ``grads`` itself where none needs binding."""
+    out = [g if g is None or (d == "cpu" and g.device.type == "cpu") else Placed(g, d)
+           for g, d in zip(grads, devices)]
+    return grads if all(a is b for a, b in zip(out, grads)) else out
 
 
 def send_part(agent: Agent, ctx: AutogradContext, pass_id: tuple[int, int], peer: int,
@@ -296,7 +296,7 @@ def _serve_stage(agent: Agent, ctx: AutogradContext, lp: LocalPass, msg: Grads |
     failed); the answer is what goes back to ``sender`` (:class:`Back`)."""
     if msg.step:  # (they go through the stepper's driver: by the CPU)
         data, outbox = run_stage(agent, ctx, lp, trigger, feed)
-        return data, [(o.peer, o.msg_id, _on_cpu(o.grads)) for o in outbox]
+        return data, [(o.peer, o.msg_id, _bound(o.grads, repeat("cpu"))) for o in outbox]
     try:
         data, outbox = run_stage(agent, ctx, lp, trigger, feed)
     except BaseException as e:  # the initiator fails the pass with this error
@@ -414,7 +414,6 @@ def _device_of(node: Any) -> str:
         return str(node._input_metadata[0].device)
     except (AttributeError, IndexError, RuntimeError):
         return "cpu"
-
 
 
 def graph_data(agent: Agent, ctx: AutogradContext,
