@@ -229,7 +229,7 @@ class Cluster:
                                    "it, or stop() it first")
             if _Default.agent is not None:
                 raise AlreadyInitializedError(_Default.agent.name)
-            if self.gpus and self._local and not gpus_.count_here():
+            if self.gpus and self._local and not gpus_.count_here():  # (before anything starts)
                 raise ClusterError("gpus=True (--gpus) gives each worker a GPU, but this host "
                                    "has none (torch.cuda.device_count() is 0): start without "
                                    "it; tensors then stay on the CPU")
@@ -262,13 +262,12 @@ class Cluster:
         from .launcher import ZYGOTES, GuardedControllerLauncher
 
         key = new_key()
-        here = gpus_.count_here() if self.gpus or self.device_maps else 0
+        devices = self._device_options("driver")
         opts = AgentOptions(num_worker_threads=self.threads, rpc_timeout=self.rpc_timeout,
                             host=self.host, port=0, heartbeat_interval=self.heartbeat,
                             encrypt=self.encrypt, **self._failure_option(),
-                            devices=gpus_.config(0, self.device_maps.get("driver", ()),
-                                                 self.gpus, here)
-                            if self.gpus or self.device_maps else None)
+                            devices=gpus_.config(0, devices["device_maps"], self.gpus,
+                                                 gpus_.count_here()) if devices else None)
         self.agent = Agent("driver", 0, key, world_size=None, options=opts)
         self.agent.start(None, self.timeout)
         set_default_agent(self.agent)
@@ -506,11 +505,12 @@ class Cluster:
                     f"{sorted(client.ids)}); raise timeout=..., or look at the engines' output:\n"
                     + "\n".join(self._engine_output(n) for n in sorted(pending)))
             time.sleep(0.01)
-        if self.gpus or self.device_maps:
+        if self._device_options("driver"):
             gpus_.check_group(self.agent)
 
     def _device_options(self, name: str) -> dict[str, Any]:
-        """What the engine of ``name`` builds its devices from (start_agent)."""
+        """What the member ``name`` builds its devices from (``start_agent`` on
+        an engine); {} in a cluster with neither device maps nor GPUs."""
         if not (self.gpus or self.device_maps):
             return {}
         return {"device_maps": self.device_maps.get(name, ()), "gpus": self.gpus}

@@ -21,9 +21,12 @@ The whole group is checked as PyTorch checks ``init_rpc``'s maps
 
 from __future__ import annotations
 
+import os
 import re
 from collections.abc import Mapping
 from typing import Any
+
+import torch
 
 from ..agent.devices import DeviceConfig, Map
 from .ipp import ClusterError
@@ -46,7 +49,7 @@ def parse_maps(device_maps: Mapping[str, Mapping[str, Mapping]] | None) -> dict[
     ...
     ValueError: device_maps['driver']['worker1']: `device_map` only supports 1-to-1 mapping, trying to map cuda:1 and cuda:0 to cuda:1
     """
-    from ..rpc.options import _to_device_map
+    from ..rpc.options import _to_device_map, published_maps
 
     out: dict[str, Maps] = {}
     for name, maps in (device_maps or {}).items():
@@ -57,14 +60,13 @@ def parse_maps(device_maps: Mapping[str, Mapping[str, Mapping]] | None) -> dict[
             if not isinstance(who, str) or not NAME.fullmatch(who):
                 raise ValueError(f"device_maps names {who!r}: a cluster's members are 'driver' "
                                  "and 'worker1', 'worker2', ...")
-        rows = []
+        parsed = {}
         for peer, pairs in maps.items():
             try:
-                full = _to_device_map(dict(pairs))
+                parsed[peer] = _to_device_map(dict(pairs))
             except (ValueError, RuntimeError, TypeError) as e:
                 raise type(e)(f"device_maps[{name!r}][{peer!r}]: {e}") from None
-            rows.append((peer, tuple(sorted((str(k), str(v)) for k, v in full.items()))))
-        out[name] = tuple(sorted(r for r in rows if r[1]))
+        out[name] = published_maps(parsed)
     return out
 
 
@@ -86,8 +88,6 @@ def home_device(rank: int, count: int) -> str:
 
 def config(rank: int, maps: Maps, gpus: bool, count: int) -> DeviceConfig:
     """What member ``rank`` of a cluster with device maps or GPUs publishes."""
-    import os
-
     return DeviceConfig(count=count, maps=maps, home=home_device(rank, count) if gpus else None,
                         visible=os.environ.get("CUDA_VISIBLE_DEVICES"))
 
@@ -95,10 +95,6 @@ def config(rank: int, maps: Maps, gpus: bool, count: int) -> DeviceConfig:
 def count_here() -> int:
     """This host's CUDA devices, asked of NVML where PyTorch can (so that this
     process, which may fork later, does not initialize CUDA)."""
-    import os
-
-    import torch
-
     os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
     return torch.cuda.device_count()
 

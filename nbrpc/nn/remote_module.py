@@ -41,7 +41,7 @@ def _create_module(module_cls: Any, args: tuple, kwargs: dict, device: str = "cp
             "Expect `module_cls(*args, **kwargs)` returns an instance of <class nn.Module>, "
             f"but it returns an instance of {type(module)}. Pass RemoteModule a subclass "
             f"of torch.nn.Module (or a function that builds one), not {module_cls!r}.")
-    return module.to(device) if device != "cpu" else module
+    return module.to(device)
 
 
 def _rebuild_remote_module(state: dict[str, Any]) -> RemoteModule:

@@ -150,13 +150,21 @@ def device_config(opts: Any, count: int) -> DeviceConfig:
     >>> device_config(TensorPipeRpcBackendOptions(device_maps={"w1": {"cpu": "cuda:0"}}), 0)
     DeviceConfig(count=0, maps=(('w1', (('cpu', 'cuda:0'),)),), devices=(), home=None, visible=None)
     """
-    maps = getattr(opts, "device_maps", None) or {}
     return DeviceConfig(
-        count=count,
-        maps=tuple(sorted((to, tuple(sorted((str(k), str(v)) for k, v in m.items())))
-                          for to, m in maps.items() if m)),
+        count=count, maps=published_maps(getattr(opts, "device_maps", None) or {}),
         devices=tuple(str(torch.device(d)) for d in getattr(opts, "devices", None) or ()),
         visible=os.environ.get("CUDA_VISIBLE_DEVICES"))
+
+
+def published_maps(maps: dict[str, dict[torch.device, torch.device]]
+                   ) -> tuple[tuple[str, tuple[tuple[str, str], ...]], ...]:
+    """Parsed device maps as a member publishes them: strings, sorted, empty ones out.
+
+    >>> published_maps({"w2": {}, "w1": {torch.device("cpu"): torch.device("cpu")}})
+    (('w1', (('cpu', 'cpu'),)),)
+    """
+    return tuple(sorted((to, tuple(sorted((str(k), str(v)) for k, v in m.items())))
+                        for to, m in maps.items() if m))
 
 
 def _seconds(value: Any, name: str) -> float:
