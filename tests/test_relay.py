@@ -12,7 +12,6 @@ import subprocess
 import sys
 import textwrap
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -36,14 +35,18 @@ class Echo:
         self.accepted = 0
         self.accepting = threading.Event()  # cleared: a controller too busy to accept
         self.accepting.set()
+        self.paused = threading.Event()  # set once it has stopped accepting
         self._stop = False
         self._thread = threading.Thread(target=self._serve, daemon=True)
         self._thread.start()
 
     def _serve(self) -> None:
         while not self._stop:
-            if not self.accepting.wait(0.2):
+            if not self.accepting.is_set():
+                self.paused.set()
+                self.accepting.wait(0.2)
                 continue
+            self.paused.clear()
             try:
                 conn, _ = self.server.accept()
             except OSError:
@@ -133,12 +136,12 @@ def test_a_controller_with_a_full_backlog_is_dialled_again(ends, tmp_path: Path)
     The driver's end tries again until the controller accepts."""
     driver, engine, echo = ends
     echo.accepting.clear()
-    time.sleep(0.5)  # its accept() under way, with a 0.2 s timeout, returns
+    assert echo.paused.wait(5)  # (its accept() under way, with a 0.2 s timeout, returned)
     socks = [_through(engine) for _ in range(24)]  # more than the backlog of 16
     try:
         for i, s in enumerate(socks):
             s.sendall(b"%d" % i)
-        time.sleep(0.5)  # the driver's end is refused meanwhile, and waits
+        poll_or_fail(lambda: driver.redials > 0, 5, "a connect refused and tried again")
         assert echo.accepted == 0
         echo.accepting.set()
         for i, s in enumerate(socks):

@@ -356,7 +356,9 @@ class ControllerRelay:
         self.sockets, self._key_of = sockets, key_of
         self._token: bytes | None = None
         self._waiting: dict[socket.socket, bytearray] = {}
+        self._dialing: set[socket.socket] = set()  # waiting for a full backlog to drain
         self.refused = 0
+        self.redials = 0  # connects a full backlog refused, tried again
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self._listener = socket.create_server((host, 0), family=family, backlog=128)
         self.address = self._listener.getsockname()[:2]
@@ -369,6 +371,9 @@ class ControllerRelay:
 
     def stop(self) -> None:
         self._splicer.stop()
+        for conn in list(self._dialing):  # (not the splicer's yet)
+            conn.close()
+        self._dialing.clear()
 
     @property
     def pairs(self) -> int:
@@ -435,11 +440,14 @@ class ControllerRelay:
         back. Until then ``conn`` is not read (its bytes wait in the kernel)."""
         target = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         target.setblocking(False)
+        self._dialing.discard(conn)
         try:
             target.connect(path)  # a Unix socket connects at once, or not at all
         except BlockingIOError:
             target.close()
             if time.monotonic() < deadline:
+                self.redials += 1
+                self._dialing.add(conn)
                 self._splicer.later(DIAL_RETRY, lambda: self._dial(conn, path, deadline))
                 return
             log.warning("controller relay: the controller's channel at %s accepted nothing "
