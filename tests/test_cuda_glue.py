@@ -161,3 +161,7 @@ def test_the_cuda_routes_read_back_from_the_event_log() -> None:
     assert call_["cuda"] == {"ipc": 64 << 20} and reply["cuda"] == {"staged": 8}
     assert ("  CUDA tensors: 64.0 MiB by CUDA IPC, 8 B staged through host memory"
             in str(t).splitlines())
+    from nbrpc.jupyter.trace_view import _field, trace_svg
+
+    assert _field("cuda", reply["cuda"]) == "8 B staged through host memory"  # (its panel)
+    assert "CUDA tensors: 64.0 MiB by CUDA IPC" in trace_svg(t)  # (its arrow's tooltip)

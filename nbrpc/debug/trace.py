@@ -81,6 +81,15 @@ ROUTE_WORDS = {"ipc": "by CUDA IPC", "staged": "staged through host memory",
                "in-process": "handed over in-process"}
 
 
+def cuda_words(routes: dict[str, int]) -> str:
+    """CUDA bytes by route, in words.
+
+    >>> cuda_words({"staged": 8, "ipc": 64 << 20})
+    '64.0 MiB by CUDA IPC, 8 B staged through host memory'
+    """
+    return ", ".join(f"{fmt_bytes(n)} {ROUTE_WORDS.get(r, r)}" for r, n in sorted(routes.items()))
+
+
 def _routes(detail: str) -> dict[str, int]:
     """A ``cuda`` event's detail read back: bytes by route.
 
@@ -268,8 +277,7 @@ class Trace:
             for route, n in m.get("cuda", {}).items():
                 routes[route] = routes.get(route, 0) + n
         if routes:  # (CUDA tensors by IPC travel outside the messages' bytes)
-            lines.append("  CUDA tensors: " + ", ".join(
-                f"{fmt_bytes(n)} {ROUTE_WORDS.get(r, r)}" for r, n in sorted(routes.items())))
+            lines.append(f"  CUDA tensors: {cuda_words(routes)}")
         lines += [f"  lost: {name}: {why}" for name, why in sorted(self.lost.items())]
         return "\n".join(lines)
 

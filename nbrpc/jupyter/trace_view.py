@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..debug.trace import Trace, family
+from ..debug.trace import Trace, cuda_words, family
 from .svg import BACKING, ERROR, KIND_COLOURS, MUTED, RULE, clip, colour, esc, fmt_bytes, svg
 from .view import View, toggle, varies
 
@@ -192,6 +192,8 @@ def _arrow(i: int, m: dict[str, Any], xs: dict[str, float], y: dict[float, float
            + f": {m['src']} → {m['dst']}, msg {m['msg_id']}, {fmt_bytes(m['nbytes'])}")
     if m.get("latency") is not None:
         tip += f", latency {m['latency'] * 1e6:.0f} µs"
+    if m.get("cuda"):  # (not in nbytes where they went by IPC)
+        tip += f", CUDA tensors: {cuda_words(m['cuda'])}"
     if error:
         tip += f" ({error})"
     return (f'<g class="nbrpc-msg" data-key="{i}" data-f="kind worker" data-f-kind="{kind}" '
@@ -258,6 +260,8 @@ def _field(key: str, value: Any) -> str:
         return f"{value * 1e6:.0f} µs"
     if key == "nbytes":
         return fmt_bytes(value)
+    if key == "cuda":
+        return cuda_words(value)
     return str(value)
 
 
