@@ -192,6 +192,27 @@ def test_each_workers_gpu_has_a_column_where_the_cluster_gave_them_one() -> None
     assert "device" not in headers(cluster_html(status()))
 
 
+def test_the_device_column_adds_the_bytes_each_worker_owns_on_gpus() -> None:
+    """What a worker's values hold on GPUs reads in its device cell, the totals
+    row and its panel; values on GPUs bring the column even where the cluster
+    gave no worker a GPU of its own."""
+    s = status()
+    s["worker1"].device_bytes = 3 << 20
+    page = cluster_html(s, {"worker1": 1.0}, buttons=True)
+    assert headers(page)[4] == "device"
+    assert 'title="the worker&#x27;s own device' in page
+    row = re.search(r'<tr data-key="worker:worker1".*?</tr>', page).group(0)
+    assert cells(row)[4] == "3.0 MiB on GPUs"
+    total = re.search(r"<tr style=[^>]*><td[^>]*><i>all</i>.*?</tr>", page).group(0)
+    assert cells(total)[4] == "3.0 MiB on GPUs" and len(cells(total)) == len(headers(page))
+    s["worker1"].device, s["worker2"].device = "cuda:0", "cuda:1"
+    row = re.search(r'<tr data-key="worker:worker2".*?</tr>', cluster_html(s)).group(0)
+    assert cells(row)[4] == "cuda:1"  # nothing held there: the device alone
+    assert "<td>bytes owned on GPUs</td><td>3.0 MiB</td>" in cluster_view._details(
+        s["worker1"], None)
+    assert "on GPUs" not in cluster_view._details(s["worker2"], None)
+
+
 def test_the_static_table_keeps_the_markup_the_tutorials_saved() -> None:
     """Saved notebooks compare the static table's HTML (nbval): no live-only parts."""
     page = cluster_html(status(), {"worker1": 1.0})

@@ -78,6 +78,12 @@ def test_values_off_the_cpu_are_labelled_with_their_device(trio_default) -> None
     assert text.splitlines()[-1] == "  device memory held by RRef values: b meta 16 B"
     assert f"{rid} on b: torch.Tensor, 16 B on meta," in graph_text(
         graph_model(debug.rref_graph()))
+    # the cluster view's rows: what each worker's values hold off its CPU
+    from nbrpc.cluster.engine import describe
+
+    row_b, row_c = describe(trio_default[1]), describe(trio_default[2])
+    assert (row_b["device_bytes"], row_b["owned_bytes"]) == (16, 16)
+    assert row_c["device_bytes"] == 0 and row_c["owned_bytes"] > 0
     del on_b, on_c
     gc.collect()
     assert poll_for(lambda: debug.rref_graph()["values"] == {})

@@ -97,7 +97,8 @@ def probe() -> dict[str, Any]:
 
 def describe(agent: Agent | None) -> dict[str, Any]:
     """An agent's row of the status: pid, host, threads, calls in flight, owned
-    RRefs and their bytes, messages and bytes moved (sent + received)."""
+    RRefs and their bytes (all, and those on GPUs), messages and bytes moved
+    (sent + received)."""
     snap = agent.snapshot(events=0) if agent else {}
     counters = snap.get("counters", {})
     owned = _owned(snap.get("rrefs", {}))
@@ -110,6 +111,7 @@ def describe(agent: Agent | None) -> dict[str, Any]:
         "in_flight": counters.get("in_flight", 0),
         "owned_rrefs": len(owned),
         "owned_bytes": sum(v.get("nbytes") or 0 for v in owned),
+        "device_bytes": sum(v.get("nbytes") or 0 for v in owned if v.get("device")),
         "messages": counters.get("messages_sent", 0) + counters.get("messages_received", 0),
         "bytes_moved": counters.get("bytes_sent", 0) + counters.get("bytes_received", 0),
     }

@@ -56,7 +56,9 @@ COLUMNS = ("name", "rank", "host", "pid", "state", "threads busy", "calls in fli
            "owned RRefs", "bytes owned", "messages/s", "note")
 ACTION = "action"  # the live table's last column: a worker's Restart button
 HINTS = {"messages/s": "messages sent and received per second, less this view's own "
-                       "status probes (heartbeats count)"}
+                       "status probes (heartbeats count)",
+         "device": "the worker's own device (a cluster started with GPUs), and the bytes "
+                   "of the values it owns on GPUs"}
 OWN_PER_PROBE = 2  # messages one status probe costs a worker: the request and its reply
 
 # The one view per cluster that refreshes live: a newer view of the same cluster
@@ -90,7 +92,7 @@ def _state_style(state: str) -> str:
 def _row(w: WorkerStatus, rate: float | None, buttons: bool, selected: bool,
          busy: bool, devices: bool = False) -> str:
     state = f"<b{_state_style(w.state)}>{esc(w.state)}</b>"
-    device = f"<td>{esc(w.device)}</td>" if devices else ""
+    device = f"<td>{esc(device_words(w))}</td>" if devices else ""
     where = varies(f"<td>{esc(w.host or '')}</td><td>{esc(w.pid or '')}</td>{device}")
     counters = varies(
         f"<td>{w.busy_threads}/{w.threads}</td><td>{w.in_flight}</td>"
@@ -115,6 +117,20 @@ def _row(w: WorkerStatus, rate: float | None, buttons: bool, selected: bool,
             f"</td><td>{w.rank}</td>{where}<td>{state}</td>{counters}{action}</tr>")
 
 
+def device_words(w: WorkerStatus) -> str:
+    """A row's device cell: the worker's own device and what its values hold on GPUs.
+
+    >>> device_words(WorkerStatus("worker1", 1, device="cuda:1", device_bytes=3 << 20))
+    'cuda:1 · 3.0 MiB'
+    >>> device_words(WorkerStatus("worker2", 2, device_bytes=512)), device_words(WorkerStatus("d", 0))
+    ('512 B on GPUs', '')
+    """
+    if not w.device_bytes:
+        return w.device
+    held = fmt_bytes(w.device_bytes)
+    return f"{w.device} · {held}" if w.device else f"{held} on GPUs"
+
+
 def cluster_html(status: ClusterStatus, rates: dict[str, float | None] | None = None,
                  buttons: bool = False, selected: str | None = None,
                  busy: bool = False, limit: int = MAX_ROWS, heading: bool = True) -> str:
@@ -122,7 +138,8 @@ def cluster_html(status: ClusterStatus, rates: dict[str, float | None] | None = 
     live view's body (a Restart button per worker, disabled while ``busy``;
     no ``heading``: the widget's title says it)."""
     rates = rates or {}
-    devices = any(w.device for w in status.workers)  # (a cluster with gpus=True)
+    # (a cluster with gpus=True, or values on GPUs)
+    devices = any(w.device or w.device_bytes for w in status.workers)
     columns = COLUMNS[:4] + ("device",) + COLUMNS[4:] if devices else COLUMNS
     head = "".join(_th(c, hint=buttons) for c in columns + ((ACTION,) if buttons else ()))
     shown = _shown(status.workers, limit)
@@ -139,7 +156,8 @@ def cluster_html(status: ClusterStatus, rates: dict[str, float | None] | None = 
         total = sum(known) if known else None
         rows.append(
             '<tr style="border-top:1px solid #999"><td><i>all</i></td>'
-            + "<td></td>" * (5 if devices else 4) + varies(
+            + "<td></td>" * 3 + (_device_total(status.workers) if devices else "")
+            + "<td></td>" + varies(
                 f"<td>{sum(w.busy_threads for w in status.workers)}/"
                 f"{sum(w.threads for w in status.workers)}</td>"
                 f"<td>{sum(w.in_flight for w in status.workers)}</td>"
@@ -152,6 +170,11 @@ def cluster_html(status: ClusterStatus, rates: dict[str, float | None] | None = 
              f"<tbody>{body}</tbody></table>") if status.workers else ""
     head_line = f"<b>{esc(status.summary())}</b>" if heading else ""
     return f"<div>{head_line}{table}</div>"
+
+
+def _device_total(workers: list[WorkerStatus]) -> str:
+    held = sum(w.device_bytes for w in workers)
+    return varies(f"<td>{fmt_bytes(held)} on GPUs</td>") if held else "<td></td>"
 
 
 def _th(column: str, hint: bool) -> str:
@@ -170,6 +193,8 @@ def _details(w: WorkerStatus, rate: float | None) -> str:
               ("messages/s", _rate(rate)), ("bytes moved", fmt_bytes(w.bytes_moved))]
     if w.device:
         fields.append(("device", w.device))
+    if w.device_bytes:
+        fields.append(("bytes owned on GPUs", fmt_bytes(w.device_bytes)))
     if w.job:
         fields.append(("batch job", w.job))
     if w.detail:
