@@ -327,3 +327,33 @@ def test_cuda_ipc_only_to_a_process_of_this_host_that_numbers_the_gpus_alike(mon
         assert a0.peer_place(1) == "host"  # same host, same numbering
         assert a0.peer_place(2) == "remote"  # another numbering: staged
         assert a0.peer_place(3) == "remote"  # published no devices: staged
+
+
+def test_cpu_tensors_ask_their_route_only_while_a_map_in_the_group_names_the_cpu() -> None:
+    """``Agent.cpu_mapped`` (the reducer's cue to ask where a CPU tensor lands)
+    follows the group: set by this agent's maps or its home on the CPU, or by a
+    current member's map to it; cleared when that member has gone."""
+    from types import SimpleNamespace
+
+    from nbrpc.agent.agent import Agent
+    from nbrpc.agent.members import MemberTable
+    from nbrpc.agent.messages import Member
+
+    def agent(mine: DeviceConfig | None, *others: Member) -> SimpleNamespace:
+        table = MemberTable()
+        me = Member("w0", 0, "tcp://127.0.0.1:1", devices=mine)
+        for m in (me, *others):
+            table.add(m)
+        return SimpleNamespace(me=me, name="w0", rank=0, members=table)
+
+    to_w0 = Member("w1", 1, "tcp://127.0.0.1:2",
+                   devices=DeviceConfig(1, (("w0", (("cuda:0", "cpu"),)),)))
+    plain = Member("w2", 2, "tcp://127.0.0.1:3", devices=DeviceConfig(1))
+    assert not Agent._maps_cpu(agent(None, plain))
+    assert not Agent._maps_cpu(agent(DeviceConfig(1, (("w1", (("cuda:0", "cuda:0"),)),)), plain))
+    assert Agent._maps_cpu(agent(DeviceConfig(0, (("w1", (("cpu", "cpu"),)),))))
+    assert Agent._maps_cpu(agent(DeviceConfig(0, home="cpu")))
+    with_w1 = agent(None, to_w0, plain)
+    assert Agent._maps_cpu(with_w1)
+    with_w1.members.remove(1, "left the group")
+    assert not Agent._maps_cpu(with_w1)

@@ -160,10 +160,8 @@ class Agent:
             self.io.run = secrets.randbits(63) or 1
         self.device_plan = devices.DevicePlan()  # set once the members are known
         # where tensors go: (peer, is an answer) -> device map, or None (filled as
-        # used, emptied as members change); does any map here name "cpu"
+        # used, emptied as members change)
         self._routes: dict[tuple[int, bool], dict[str, str] | None] = {}
-        self.cpu_mapped = bool(opts.devices) and (opts.devices.home == "cpu" or any(
-            "cpu" in dict(pairs) for _, pairs in opts.devices.maps))
         _IN_THIS_PROCESS.add(self.io.incarnation)
         self.pool = WorkerPool(opts.num_worker_threads, f"nbrpc-worker[{name}]",
                                self._adopt_thread, self.io.call_later)
@@ -182,6 +180,7 @@ class Agent:
         self.propagator: Propagator | None = None  # set by the autograd layer
         self.state = "new"
         self.members = MemberTable()
+        self.cpu_mapped = self._maps_cpu()  # does a map tensors from here may follow name "cpu"
         self._gc_held = False
         # the parts, each with its own state (the counts of requests sent and
         # served share one lock: a drain report reads both under it)
@@ -311,13 +310,23 @@ class Agent:
     def add_member(self, m: Member) -> None:
         self.members.add(m)
         self._routes.clear()
-        if m.devices is not None and "cpu" in m.devices.map_to(self.name,
-                                                              self.me.devices).values():
-            self.cpu_mapped = True  # its answers' CPU tensors may come from a GPU here
+        self.cpu_mapped = self._maps_cpu()
         if m.rank != self.rank:
             self.io.set_address(m.rank, m.address, m.local)
 
     # -- where tensors go --------------------------------------------------------
+    def _maps_cpu(self) -> bool:
+        """Whether a map that tensors sent from here may follow names "cpu": this
+        agent's own maps (or its home is the CPU), or a current member's map to
+        it (its answers' CPU tensors may then come from a GPU here)."""
+        mine = self.me.devices
+        if mine is not None and (mine.home == "cpu" or any(
+                "cpu" in dict(pairs) for _, pairs in mine.maps)):
+            return True
+        return any(m.devices is not None and m.rank != self.rank
+                   and "cpu" in m.devices.map_to(self.name, mine).values()
+                   for m in self.members.members())
+
     def device_map_to(self, peer: int, reply: bool) -> dict[str, str] | None:
         """The device map a message to ``peer`` follows: for a request, this
         agent's map to it; for an answer, the caller's map to this agent,
@@ -375,6 +384,7 @@ class Agent:
         m = self.members.remove(rank, why)
         if m is None:
             return
+        self.cpu_mapped = self._maps_cpu()
         (log.warning if dead else log.info)("nbrpc agent %r: worker %r (rank %d) %s",
                                             self.name, m.name, rank, why)
         self.events.add("member-dead" if dead else "member-left", "", m.name, 0, 0)

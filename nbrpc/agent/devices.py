@@ -27,6 +27,7 @@ Check the device_maps and devices in a's TensorPipeRpcBackendOptions ...
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
@@ -34,6 +35,11 @@ from ..errors import DeviceMapError, DeviceRouteError
 from .messages import fast_pickle
 
 Map = tuple[tuple[str, str], ...]  # (local device, remote device) pairs
+
+
+def visible_here() -> str | None:
+    """This process's ``CUDA_VISIBLE_DEVICES`` (None: unset), as a member publishes it."""
+    return os.environ.get("CUDA_VISIBLE_DEVICES")
 
 
 @fast_pickle

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from ..agent.devices import DeviceConfig, Map
+from ..agent.devices import DeviceConfig, Map, visible_here
 from .ipp import ClusterError
 
 Maps = tuple[tuple[str, Map], ...]
@@ -89,7 +89,7 @@ def home_device(rank: int, count: int) -> str:
 def config(rank: int, maps: Maps, gpus: bool, count: int) -> DeviceConfig:
     """What member ``rank`` of a cluster with device maps or GPUs publishes."""
     return DeviceConfig(count=count, maps=maps, home=home_device(rank, count) if gpus else None,
-                        visible=os.environ.get("CUDA_VISIBLE_DEVICES"))
+                        visible=visible_here())
 
 
 def count_here() -> int:

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from ..agent.devices import DeviceConfig
+from ..agent.devices import DeviceConfig, visible_here
 from ..agent.options import DEFAULT_FAILURE_TIMEOUT
 
 DEFAULT_RPC_TIMEOUT_SEC = 60.0
@@ -153,7 +153,7 @@ def device_config(opts: Any, count: int) -> DeviceConfig:
     return DeviceConfig(
         count=count, maps=published_maps(getattr(opts, "device_maps", None) or {}),
         devices=tuple(str(torch.device(d)) for d in getattr(opts, "devices", None) or ()),
-        visible=os.environ.get("CUDA_VISIBLE_DEVICES"))
+        visible=visible_here())
 
 
 def published_maps(maps: dict[str, dict[torch.device, torch.device]]

@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-from .pickler import _finish, grad_meta
+from .pickler import finish_tensor, grad_meta
 
 log = logging.getLogger(__name__)
 
@@ -122,7 +122,7 @@ def _rebuild_ipc(args: tuple, target: str, requires_grad: bool, is_param: bool,
     src = _open(args)
     out = _copy_onto(src, target)
     del src  # the sender's block may be reused from here
-    return _finish(out, requires_grad, is_param, token)
+    return finish_tensor(out, requires_grad, is_param, token)
 
 
 # -- within this process -----------------------------------------------------------
@@ -157,4 +157,4 @@ def _rebuild_handoff(key: int, requires_grad: bool, is_param: bool, token: Any
     if t is None:
         raise RuntimeError("nbrpc: a CUDA tensor sent within this process was taken already "
                            "or dropped (a message delivered twice?)")
-    return _finish(t, requires_grad, is_param, token)
+    return finish_tensor(t, requires_grad, is_param, token)

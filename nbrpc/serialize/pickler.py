@@ -165,7 +165,7 @@ def _writable(buf: Any) -> Any:
     return bytearray(buf) if memoryview(buf).readonly else buf
 
 
-def _finish(t: torch.Tensor, requires_grad: bool, is_param: bool, token: Any,
+def finish_tensor(t: torch.Tensor, requires_grad: bool, is_param: bool, token: Any,
             device: str | None = None) -> torch.Tensor:
     """The received tensor as it was sent: on ``device`` (where the device map
     puts it; None: here, on the CPU), a Parameter or requiring grad, and known
@@ -194,7 +194,7 @@ def _rebuild_numpy(buf: Any, dtype: str, shape: tuple, requires_grad: bool,
     t = torch.from_numpy(np.frombuffer(_writable(buf), dtype=dtype).reshape(shape))
     if strides is not None:  # the sender's layout: a view arrives as a view-shaped tensor
         t = torch.empty_strided(shape, strides, dtype=t.dtype).copy_(t)
-    return _finish(t, requires_grad, is_param, token, device)
+    return finish_tensor(t, requires_grad, is_param, token, device)
 
 
 def _rebuild_torch(buf: Any, dtype: torch.dtype, shape: tuple, requires_grad: bool,
@@ -204,7 +204,7 @@ def _rebuild_torch(buf: Any, dtype: torch.dtype, shape: tuple, requires_grad: bo
         t = torch.empty(shape, dtype=dtype)
     else:
         t = torch.frombuffer(_writable(buf), dtype=torch.uint8).view(dtype).reshape(shape)
-    return _finish(t, requires_grad, is_param, token, device)
+    return finish_tensor(t, requires_grad, is_param, token, device)
 
 
 class Placed:
