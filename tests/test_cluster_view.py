@@ -171,7 +171,7 @@ def test_every_cell_is_padded_and_restart_has_a_column_of_its_own() -> None:
     css = re.sub(r"/\*.*?\*/", "", (Path(cluster_view.__file__).parent / "static" / "view.css")
                  .read_text(), flags=re.S)
     rule = re.search(r"\.nbrpc-cluster th, \.nbrpc-cluster td \{([^}]*)\}", css)
-    assert 'class="nbrpc-cluster"' in page and rule and "padding: 2px 8px" in rule.group(1)
+    assert 'class="nbrpc-cluster"' in page and rule and "padding: 2px 6px" in rule.group(1)
 
 
 def test_each_workers_gpu_has_a_column_where_the_cluster_gave_them_one() -> None:
@@ -202,9 +202,9 @@ def test_the_device_column_adds_the_bytes_each_worker_owns_on_gpus() -> None:
     assert headers(page)[4] == "device"
     assert 'title="the worker&#x27;s own device' in page
     row = re.search(r'<tr data-key="worker:worker1".*?</tr>', page).group(0)
-    assert cells(row)[4] == "3.0 MiB on GPUs"
+    assert cells(row)[4] == "3.0\xa0MiB"  # (a size keeps its unit on its line)
     total = re.search(r"<tr style=[^>]*><td[^>]*><i>all</i>.*?</tr>", page).group(0)
-    assert cells(total)[4] == "3.0 MiB on GPUs" and len(cells(total)) == len(headers(page))
+    assert cells(total)[4] == "3.0\xa0MiB" and len(cells(total)) == len(headers(page))
     s["worker1"].device, s["worker2"].device = "cuda:0", "cuda:1"
     row = re.search(r'<tr data-key="worker:worker2".*?</tr>', cluster_html(s)).group(0)
     assert cells(row)[4] == "cuda:1"  # nothing held there: the device alone

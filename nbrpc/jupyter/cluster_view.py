@@ -117,18 +117,29 @@ def _row(w: WorkerStatus, rate: float | None, buttons: bool, selected: bool,
             f"</td><td>{w.rank}</td>{where}<td>{state}</td>{counters}{action}</tr>")
 
 
+def size(n: int) -> str:
+    """A size in a device cell: its number and unit kept on one line (the
+    column is narrow; the table still fits 900 pixels).
+
+    >>> size(3 << 20)
+    '3.0\xa0MiB'
+    """
+    return fmt_bytes(n).replace(" ", "\xa0")
+
+
 def device_words(w: WorkerStatus) -> str:
-    """A row's device cell: the worker's own device and what its values hold on GPUs.
+    """A row's device cell: the worker's own device and what its values hold on
+    GPUs (the column's heading says so on hover).
 
     >>> device_words(WorkerStatus("worker1", 1, device="cuda:1", device_bytes=3 << 20))
-    'cuda:1 · 3.0 MiB'
+    'cuda:1 · 3.0\xa0MiB'
     >>> device_words(WorkerStatus("worker2", 2, device_bytes=512)), device_words(WorkerStatus("d", 0))
-    ('512 B on GPUs', '')
+    ('512\xa0B', '')
     """
     if not w.device_bytes:
         return w.device
-    held = fmt_bytes(w.device_bytes)
-    return f"{w.device} · {held}" if w.device else f"{held} on GPUs"
+    held = size(w.device_bytes)
+    return f"{w.device} · {held}" if w.device else held
 
 
 def cluster_html(status: ClusterStatus, rates: dict[str, float | None] | None = None,
@@ -174,7 +185,7 @@ def cluster_html(status: ClusterStatus, rates: dict[str, float | None] | None = 
 
 def _device_total(workers: list[WorkerStatus]) -> str:
     held = sum(w.device_bytes for w in workers)
-    return varies(f"<td>{fmt_bytes(held)} on GPUs</td>") if held else "<td></td>"
+    return varies(f"<td>{size(held)}</td>") if held else "<td></td>"
 
 
 def _th(column: str, hint: bool) -> str:
