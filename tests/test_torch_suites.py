@@ -147,14 +147,25 @@ for _suite in SUITES:
     globals()[_cls.__name__] = _cls
 del _suite, _cls
 
-@pytest.mark.skipif(GPUS > 0, reason="this host has a GPU: the suite runs above")
-def test_cuda_suite_needs_a_gpu() -> None:
-    """Without a GPU, PyTorch's CUDA RPC suite does not run: say so in the
-    skip list, with what a GPU host would run."""
-    one = sum(1 for n in CUDA_NEEDS.values() if n <= 1)
-    pytest.skip(f"no CUDA device here: PyTorch's {torch_suites.CUDA_SUITE} ({one} tests need at "
-                f"most one GPU, {len(CUDA_NEEDS) - one} need 2 or 4) runs where "
-                "torch.cuda.device_count() >= 1 (make test-gpu)")
+@pytest.mark.skipif(max(CUDA_NEEDS.values(), default=0) <= GPUS,
+                    reason="every CUDA test fits this host's GPUs: the suite runs above")
+def test_cuda_suite_on_this_hosts_gpus() -> None:
+    """Say in the skip list what of PyTorch's CUDA RPC suite this host cannot
+    run: all of it without a GPU (with what a GPU host would run), else the
+    tests that need more GPUs than it has, by name."""
+    if not GPUS:
+        one = sum(1 for n in CUDA_NEEDS.values() if n <= 1)
+        pytest.skip(f"no CUDA device here: PyTorch's {torch_suites.CUDA_SUITE} ({one} tests "
+                    f"need at most one GPU, {len(CUDA_NEEDS) - one} need 2 or 4) runs where "
+                    "torch.cuda.device_count() >= 1 (make test-gpu)")
+    beyond: dict[int, list[str]] = {}
+    for test, n in sorted(CUDA_NEEDS.items()):
+        if n > GPUS:
+            beyond.setdefault(n, []).append(test)
+    pytest.skip(f"this host has {GPUS} GPU{'s' if GPUS > 1 else ''}; PyTorch's "
+                f"{torch_suites.CUDA_SUITE} also has " + "; ".join(
+                    f"{len(names)} tests that need {n} ({', '.join(names)})"
+                    for n, names in sorted(beyond.items())))
 
 
 if "torch_alias" not in sys.modules:  # this pytest process: check the lists are current
