@@ -42,7 +42,7 @@ import torch
 from conftest import poll_for, poll_or_fail
 
 from nbrpc import rpc
-from nbrpc.cluster import Cluster, ClusterStatus
+from nbrpc.cluster import Cluster, ClusterStatus, relay
 from nbrpc.errors import NbrpcError, RpcTimeoutError, WorkerGoneError
 
 pytestmark = pytest.mark.cluster
@@ -616,6 +616,16 @@ def test_a_relayed_engine_holding_its_gil_stays_registered(own_cluster: None) ->
         assert rpc.rpc_sync("worker1", hold_gil, args=(5,), timeout=30) == pid
         assert c.view("worker1").apply_sync(os.getpid) == pid  # still registered
         assert c.status().workers[1].state == "ready"
+        # a connection without the key: the relay refuses it, and the status says so
+        assert c.relay_refusals() is None and c.status().workers[0].detail == ""
+        host, port = relay.parse_address(c._relay)
+        with socket.create_connection((host, port), timeout=5) as s:
+            s.sendall(relay.hello(relay.relay_token(b"not this cluster's"), 1))
+            s.settimeout(5)
+            assert s.recv(1) == b""  # closed by the relay
+        assert poll_for(lambda: c.status().workers[0].detail.startswith(
+            "the controller's relay refused 1 connection (the last from 127.0.0.1:"), 5)
+        assert c.relay_refusals().endswith("not the cluster's key)")
 
 
 def test_ipyparallels_curve_passes_through_the_relay(own_cluster: None,

@@ -177,6 +177,30 @@ def test_a_connection_without_the_key_reaches_nothing(ends) -> None:
     assert driver.refused == 1 and echo.accepted == 0
 
 
+def test_refusals_are_reported_to_a_file_only_the_user_reads(tmp_path: Path) -> None:
+    """With a report path, the relay writes its refusals there (mode 0600,
+    replaced whole): the count and the last one's address and reason, which
+    the cluster reads (relay.read_report) to say why an engine is kept out."""
+    report = tmp_path / "relay.refusals"
+    driver = relay.ControllerRelay("127.0.0.1", str(tmp_path / "c"), lambda: KEY,
+                                   report=str(report)).start()
+    try:
+        assert relay.read_report(str(report)) is None  # nothing refused yet
+        for _ in range(2):
+            with _raw(driver) as s:
+                s.sendall(relay.hello(relay.relay_token(b"another key"), PORT))
+                assert _closed_by_peer(s)
+        poll_or_fail(lambda: "refused 2 connections" in (relay.read_report(str(report)) or ""),
+                     5, "the report of both refusals")
+        text = relay.read_report(str(report))
+        assert text.startswith("the controller's relay refused 2 connections (the last from "
+                               "127.0.0.1:") and text.endswith(": not the cluster's key)"), text
+        assert report.stat().st_mode & 0o777 == 0o600
+        assert json.loads(report.read_text())["refused"] == 2
+    finally:
+        driver.stop()
+
+
 def test_a_hello_naming_no_channel_is_closed(ends) -> None:
     driver, _, echo = ends
     with _raw(driver) as s:

@@ -164,6 +164,7 @@ class Cluster:
         self._profile_dir = profile_dir
         self._own_profile = False
         self._relay: str | None = None  # HOST:PORT of the controller's relay, if any
+        self._relay_report: str | None = None  # where the relay reports its refusals
         self.workers: dict[str, _Worker] = {}
         self.agent: Agent | None = None
         self.client: Any = None
@@ -330,6 +331,7 @@ class Cluster:
         self._loop.run(self._ipp.start_controller, timeout=self.timeout, environment=env)
         self._controller_proc = getattr(self._ipp.controller, "process", None)
         self._relay = None
+        self._relay_report = None if relay_file is None else relay_file + relay.REPORT_SUFFIX
         if relay_file is not None:
             _, port = relay.parse_address(_wait_for_file(relay_file, self.timeout))
             where = controller_ip if controller_ip not in (None, "*", "0.0.0.0") else self.host
@@ -469,7 +471,7 @@ class Cluster:
         options = {"num_worker_threads": self.threads, "rpc_timeout": self.rpc_timeout,
                    "heartbeat_interval": self.heartbeat, "encrypt": self.encrypt,
                    **self._failure_option()}
-        shown = ""
+        shown, refused, asked = "", None, 0.0
         while pending:
             self._assign_engines(client, pending)
             if self._ask_queue([self.workers[n] for n in pending]):
@@ -477,6 +479,12 @@ class Cluster:
                 if note and note != shown:
                     progress.note(note)
                 shown = note
+            if self._relay_report is not None and time.monotonic() - asked > 1.0:
+                asked = time.monotonic()  # what keeps an engine elsewhere out, as it happens
+                note = self.relay_refusals()
+                if note and note != refused:
+                    progress.note(note)
+                refused = note
             for name in sorted(pending):
                 w = self.workers[name]
                 if w.engine_id is not None and w.agent_call is None:
@@ -500,9 +508,13 @@ class Cluster:
                         f"{sorted(pending)} not ready within {self.timeout:g} s: their jobs "
                         f"are still waiting in the queue ({queued}). Raise timeout=... to "
                         "wait longer, or change the queue/partition or the resources asked")
+                refused = self.relay_refusals()
                 raise ClusterError(
                     f"{sorted(pending)} not ready within {self.timeout:g} s (engines registered: "
-                    f"{sorted(client.ids)}); raise timeout=..., or look at the engines' output:\n"
+                    f"{sorted(client.ids)}); " + (
+                        f"{refused}: an engine with another cluster's connection file, or "
+                        "something else reaching the relay's port. " if refused else "")
+                    + "Raise timeout=..., or look at the engines' output:\n"
                     + "\n".join(self._engine_output(n) for n in sorted(pending)))
             time.sleep(0.01)
         if self._device_options("driver"):
@@ -748,7 +760,18 @@ class Cluster:
                         log.debug("status probe of %s: %s", w.name, e)
             for w in workers:
                 rows.append(self._row(w, agent, futs.get(w.name)))
+        refused = self.relay_refusals()
+        if refused and rows:  # the driver's note: its controller's relay
+            rows[0].detail = refused
         return ClusterStatus(self.launcher_name, state, rows)
+
+    def relay_refusals(self) -> str | None:
+        """What the controller's relay (engines on other hosts reach the
+        controller through it) has refused, in words, or None: the count, and
+        the last connection's address and reason ("not the cluster's key", "no
+        HELLO within 10 s", ...). The status shows it as the driver's note."""
+        report = self._relay_report
+        return relay.read_report(report) if report is not None else None
 
     def widget(self, **options: Any) -> Any:
         """The live cluster view (refreshed at most twice a second while the

@@ -149,7 +149,8 @@ def start_relay(host: str, sockets: str, key_file: str, address_file: str) -> ob
         except (OSError, ValueError):
             return None
 
-    server = relay.ControllerRelay(host, sockets, key_of).start()
+    server = relay.ControllerRelay(host, sockets, key_of,
+                                   report=address_file + relay.REPORT_SUFFIX).start()
     host, port = server.address
     tmp = f"{address_file}.{os.getpid()}.tmp"
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)

@@ -65,6 +65,8 @@ MAX_WAITING = 64  # connections without a HELLO yet, at most
 DIAL_TIMEOUT = 5.0  # seconds to reach a controller channel whose backlog is full
 DIAL_RETRY = 0.01  # seconds between those tries
 BUFFER = 1 << 18  # bytes held per direction of a spliced connection
+REPORT_DELAY = 0.2  # seconds between writes of the refusals' report, at least
+REPORT_SUFFIX = ".refusals"  # the report's path: the relay's address file's, with this
 _READ = 1 << 16  # bytes read at once
 # The controller's channels in an engine's connection info (ports or lists of ports).
 CHANNELS = ("registration", "control", "mux", "task", "iopub", "hb_ping", "hb_pong",
@@ -350,13 +352,21 @@ def _tcp_options(sock: socket.socket) -> None:
 class ControllerRelay:
     """The driver's end: one TCP port, spliced to the controller's Unix
     sockets ``<sockets>:<port>`` after a valid HELLO. ``key_of()`` gives
-    ipyparallel's session key (read once the controller has written it)."""
+    ipyparallel's session key (read once the controller has written it).
 
-    def __init__(self, host: str, sockets: str, key_of: Callable[[], bytes | None]) -> None:
+    With a ``report`` path, the refusals are written there too (JSON, mode
+    0600, replaced whole, at most every ``REPORT_DELAY`` s): the cluster,
+    in the kernel, reads it to say why an engine of another host is not
+    getting through (:func:`read_report`)."""
+
+    def __init__(self, host: str, sockets: str, key_of: Callable[[], bytes | None],
+                 report: str | None = None) -> None:
         self.sockets, self._key_of = sockets, key_of
         self._token: bytes | None = None
         self._waiting: dict[socket.socket, bytearray] = {}
         self._dialing: set[socket.socket] = set()  # waiting for a full backlog to drain
+        self._report, self._report_due = report, False
+        self.last_refusal: dict[str, object] | None = None  # {"peer", "why", "at"}
         self.refused = 0
         self.redials = 0  # connects a full backlog refused, tried again
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
@@ -384,14 +394,30 @@ class ControllerRelay:
         self._waiting.pop(conn, None)
         self._splicer.forget(conn)
         self.refused += 1
+        try:
+            peer = "{}:{}".format(*conn.getpeername()[:2])
+        except OSError:
+            peer = "?"
+        self.last_refusal = {"peer": peer, "why": why, "at": time.time()}
         if self.refused & (self.refused - 1) == 0:
-            try:
-                peer = "{}:{}".format(*conn.getpeername()[:2])
-            except OSError:
-                peer = "?"
             log.warning("controller relay: refused a connection from %s: %s (%d refused so "
                         "far)", peer, why, self.refused)
         conn.close()
+        if self._report is not None and not self._report_due:
+            self._report_due = True
+            self._splicer.later(REPORT_DELAY, self._write_report)
+
+    def _write_report(self) -> None:
+        self._report_due = False
+        report = {"refused": self.refused, **(self.last_refusal or {})}
+        tmp = f"{self._report}.tmp"
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+            with os.fdopen(fd, "w") as f:
+                json.dump(report, f)
+            os.replace(tmp, self._report)
+        except OSError as e:
+            log.debug("controller relay: could not write %s: %s", self._report, e)
 
     def _on_accept(self, conn: socket.socket) -> None:
         if len(self._waiting) >= MAX_WAITING:
@@ -460,6 +486,30 @@ class ControllerRelay:
             conn.close()
             return
         self._splicer.splice(conn, target)
+
+
+def read_report(path: str) -> str | None:
+    """What the relay's refusals report at ``path`` says, in words; None
+    before any refusal (no file) or where it cannot be read.
+
+    >>> import tempfile
+    >>> path = os.path.join(tempfile.mkdtemp(), "report")
+    >>> read_report(path) is None
+    True
+    >>> with open(path, "w") as f:
+    ...     json.dump({"refused": 3, "peer": "10.0.0.2:40112", "why": "not the cluster's key",
+    ...                "at": 0}, f)
+    >>> read_report(path)
+    "the controller's relay refused 3 connections (the last from 10.0.0.2:40112: not the cluster's key)"
+    """
+    try:
+        with open(path) as f:
+            report = json.load(f)
+        n = int(report["refused"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    last = f" (the last from {report.get('peer', '?')}: {report.get('why', '?')})"
+    return f"the controller's relay refused {n} connection{'' if n == 1 else 's'}{last}"
 
 
 class EngineRelay:
