@@ -165,3 +165,42 @@ def test_the_cuda_routes_read_back_from_the_event_log() -> None:
 
     assert _field("cuda", reply["cuda"]) == "8 B staged through host memory"  # (its panel)
     assert "CUDA tensors: 64.0 MiB by CUDA IPC" in trace_svg(t)  # (its arrow's tooltip)
+
+
+def test_a_process_that_cannot_export_ipc_handles_stages_and_says_so_once(
+        device, monkeypatch, caplog) -> None:
+    """An allocator that cannot export CUDA IPC handles (cudaMallocAsync, for
+    one) makes the sender stage through host memory, from then on, with one
+    warning; the tensor still arrives whole."""
+    monkeypatch.setattr(cuda, "_ipc_failed", None)
+
+    def cannot(d: torch.Tensor) -> tuple:
+        device["share"].append("refused")
+        raise RuntimeError("cudaMallocAsync does not yet support shareIpcHandle")
+
+    monkeypatch.setattr(cuda, "_share", cannot)
+    x = torch.arange(4.0)
+    with caplog.at_level("WARNING", logger="nbrpc.serialize.cuda"):
+        for _ in range(3):
+            assert torch.equal(_round_trip(Sent(x, "cuda:0"), "host"), x)
+    assert device["share"] == ["refused"]  # asked once, not again
+    assert cuda.counts == {"ipc": 0, "staged": 3, "in-process": 0}
+    assert device["onto"] == ["cuda:0"] * 3
+    assert [r.getMessage() for r in caplog.records] == [
+        "nbrpc: this process cannot share CUDA memory by IPC (RuntimeError: cudaMallocAsync "
+        "does not yet support shareIpcHandle); CUDA tensors to processes on this host go "
+        "through host memory instead"]
+
+
+def test_a_receiver_that_cannot_open_an_ipc_handle_names_the_fix(device, monkeypatch) -> None:
+    """Where processes of one host cannot share GPU memory, the receiver's
+    error says so and how to send through host memory instead."""
+    from nbrpc.errors import SerializationError
+
+    def cannot(args: tuple) -> torch.Tensor:
+        raise RuntimeError("CUDA error: invalid device context")
+
+    monkeypatch.setattr(cuda, "_open", cannot)
+    with pytest.raises(SerializationError, match=r"CUDA IPC \(RuntimeError: CUDA error: invalid "
+                       r"device context\)\..*set NBRPC_CUDA_IPC=0 in every worker's environment"):
+        _round_trip(Sent(torch.ones(2), "cuda:0"), "host")

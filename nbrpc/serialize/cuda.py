@@ -38,6 +38,7 @@ from typing import Any
 
 import torch
 
+from ..errors import SerializationError
 from .pickler import finish_tensor, grad_meta
 
 log = logging.getLogger(__name__)
@@ -49,22 +50,43 @@ HANDOFF_MAX = 4096  # copies waiting for their receiver in this process, at most
 counts = {"ipc": 0, "staged": 0, "in-process": 0}
 
 
+# Why this process cannot share CUDA memory by IPC (its first failure), or None:
+# from then on it stages through host memory (an allocator that cannot export
+# IPC handles, for example PYTORCH_CUDA_ALLOC_CONF=backend:cudaMallocAsync).
+_ipc_failed: str | None = None
+
+
 def reduce(t: torch.Tensor, target: str, ctx: Any,
            reduce_cpu: Callable[..., tuple]) -> tuple:
     """Pickle the CUDA tensor ``t`` to land on ``target`` (``"cpu"`` or
     ``"cuda:N"``, the receiver's device) at the peer of ``ctx``."""
     place = ctx.peer_place()
     route = ("staged" if target == "cpu" else "in-process" if place == "process"
-             else "ipc" if place == "host" and IPC else "staged")
+             else "ipc" if place == "host" and IPC and _ipc_failed is None else "staged")
+    reduced = None
+    if route == "ipc":
+        try:
+            reduced = _reduce_ipc(t, target)
+        except RuntimeError as e:  # it cannot export a handle: stage, now and from now on
+            _no_ipc(e)
+            route = "staged"
     counts[route] += 1
     note = getattr(ctx, "note_cuda", None)
     if note is not None:
         note(route, t.element_size() * t.nelement())
+    if reduced is not None:
+        return reduced
     if route == "in-process":
         return _reduce_handoff(t, target, ctx)
-    if route == "ipc":
-        return _reduce_ipc(t, target)
     return reduce_cpu(t, to_host(t), None if target == "cpu" else target)
+
+
+def _no_ipc(e: BaseException) -> None:
+    global _ipc_failed
+    if _ipc_failed is None:
+        _ipc_failed = f"{type(e).__name__}: {e}"
+        log.warning("nbrpc: this process cannot share CUDA memory by IPC (%s); CUDA tensors "
+                    "to processes on this host go through host memory instead", _ipc_failed)
 
 
 def to_host(t: torch.Tensor) -> torch.Tensor:
@@ -119,7 +141,15 @@ def _reduce_ipc(t: torch.Tensor, target: str) -> tuple:
 
 def _rebuild_ipc(args: tuple, target: str, requires_grad: bool, is_param: bool,
                  token: Any) -> torch.Tensor:
-    src = _open(args)
+    try:
+        src = _open(args)
+    except RuntimeError as e:
+        raise SerializationError(
+            f"could not open a CUDA tensor that another process on this host sent by CUDA "
+            f"IPC ({type(e).__name__}: {e}). Where processes of one host cannot share GPU "
+            "memory (containers, a GPU in exclusive-process mode, a driver without IPC), "
+            "set NBRPC_CUDA_IPC=0 in every worker's environment to send CUDA tensors "
+            "through host memory instead.") from e
     out = _copy_onto(src, target)
     del src  # the sender's block may be reused from here
     return finish_tensor(out, requires_grad, is_param, token)
