@@ -12,6 +12,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -217,6 +218,33 @@ def test_a_connection_that_says_nothing_is_closed_after_the_hello_timeout(
         s.sendall(b"x" * 10)  # less than a HELLO
         assert _closed_by_peer(s)
     assert driver.refused == 1
+
+
+def test_a_hello_that_came_while_the_relay_was_paused_counts_before_its_deadline(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The relay's process paused just after it accepted a connection (its
+    timers then run before it reads again): the HELLO that arrived meanwhile
+    is read first, and the engine gets through."""
+    monkeypatch.setattr(relay, "HELLO_TIMEOUT", 0.2)
+    accept = relay.ControllerRelay._on_accept
+
+    def paused(self, conn: socket.socket) -> None:
+        accept(self, conn)
+        time.sleep(0.5)  # the pause: the engine's HELLO arrives meanwhile
+
+    monkeypatch.setattr(relay.ControllerRelay, "_on_accept", paused)
+    (tmp_path / "driver").mkdir()
+    echo = Echo(str(tmp_path / "driver" / f"c:{PORT}"))
+    driver = relay.ControllerRelay("127.0.0.1", str(tmp_path / "driver" / "c"),
+                                   lambda: KEY).start()
+    try:
+        with _raw(driver) as s:
+            s.sendall(relay.hello(relay.relay_token(KEY), PORT) + b"ping")
+            assert _recv_exactly(s, 4) == b"ping"
+        assert driver.refused == 0
+    finally:
+        driver.stop()
+        echo.close()
 
 
 def test_at_most_max_waiting_connections_wait_for_their_hello(ends) -> None:

@@ -301,6 +301,27 @@ def test_loop_refuses_a_connection_that_never_authenticates(monkeypatch) -> None
         assert poll_for(lambda: got, timeout=5)
 
 
+def test_a_hello_that_came_while_the_loop_was_paused_counts_before_its_deadline(
+        monkeypatch) -> None:
+    """A process paused just after it accepted a connection (SIGSTOP, a
+    debugger, a long call holding the GIL) runs its timers before it reads
+    again: the hello that arrived meanwhile is read first, not refused (a
+    refused member's link looked closed, and the coordinator declared it dead)."""
+    from nbrpc.transport import unix
+    monkeypatch.setattr(unix, "HELLO_TIMEOUT", 0.2)
+    accept = unix.UnixHub._on_accept
+
+    def paused(self, sock, events: int) -> None:
+        accept(self, sock, events)
+        time.sleep(0.5)  # the pause: the peer's hello arrives meanwhile
+
+    monkeypatch.setattr(unix.UnixHub, "_on_accept", paused)
+    with _pair() as (a, b, got):
+        a.send(1, 0, 1, b"one")
+        assert poll_for(lambda: got, timeout=5)
+        assert b.dropped["refused connection"] == 0
+
+
 def test_loop_marks_the_link_down_when_the_peer_goes_and_reconnects() -> None:
     with _pair() as (a, b, got):
         a.send(1, 0, 1, b"one")

@@ -426,8 +426,13 @@ class ControllerRelay:
         _tcp_options(conn)
         self._waiting[conn] = bytearray()
         self._splicer.watch(conn, lambda: self._on_hello_bytes(conn))
-        self._splicer.later(HELLO_TIMEOUT, lambda: conn in self._waiting and self._refuse(
-            conn, f"no HELLO within {HELLO_TIMEOUT:g} s"))
+        self._splicer.later(HELLO_TIMEOUT, lambda: self._hello_deadline(conn))
+
+    def _hello_deadline(self, conn: socket.socket) -> None:
+        if conn in self._waiting:  # (read first: this process may have been paused)
+            self._on_hello_bytes(conn)
+        if conn in self._waiting:
+            self._refuse(conn, f"no HELLO within {HELLO_TIMEOUT:g} s")
 
     def _on_hello_bytes(self, conn: socket.socket) -> None:
         got = self._waiting.get(conn)
