@@ -83,25 +83,12 @@ screenshots: $(STAMP) browser-deps
 	NBRPC_SCREENSHOTS=$(CURDIR)/docs/img $(PYTEST) tests/test_browser.py
 
 # On a host with a GPU and a CUDA build of torch (not the CPU wheel this
-# environment pins): nbrpc's cuda tier (tests/test_cuda.py), the benchmark's
-# CUDA rows (nbrpc against TensorPipe; they do not change the exit status), then
-# PyTorch's CUDA RPC suite against nbrpc, the tests that need at most as many
-# GPUs as the host has (make test-gpu GPU_PYTHON=python3). In that order, so
-# that a short lease of a GPU returns nbrpc's own results and numbers first;
-# each of PyTorch's tests waits at most 60 s for its processes.
-# Availability checks ask NVML, so no process that forks workers initializes
-# CUDA first. Without a GPU it says so, and skips.
+# environment pins): nbrpc's cuda tier, the benchmark's CUDA rows, then
+# PyTorch's CUDA RPC suite against nbrpc (tools/test_gpu.sh says more), e.g.
+# make test-gpu GPU_PYTHON=python3. Without a GPU it says so, and skips.
 GPU_PYTHON ?= $(PY)
-GPU_ENV = PYTORCH_NVML_BASED_CUDA_CHECK=1
 test-gpu:
-	$(GPU_ENV) $(GPU_PYTHON) -m pytest -q -rs -p no:cacheprovider tests/test_cuda.py; \
-	ours=$$?; \
-	$(GPU_ENV) $(GPU_PYTHON) benchmarks/bench_rpc.py --cases cuda --repeat 1 --timeout 150 \
-	  || true; \
-	$(GPU_ENV) DISTRIBUTED_TESTS_DEFAULT_TIMEOUT=60 $(GPU_PYTHON) -m pytest -q -rs \
-	  -p no:cacheprovider tests/test_torch_suites.py -k "CudaRpcTest or cuda_suite"; \
-	theirs=$$?; \
-	exit $$(( ours || theirs ))
+	tools/test_gpu.sh $(GPU_PYTHON)
 
 # Debian packages the test tiers drive: Chromium (browser tier), Slurm and munge
 # (slurm tier), Open MPI (mpi tier). Installed when missing and we may (root, or password-less sudo,

@@ -10,8 +10,9 @@
 #       pyzmq cloudpickle ipyparallel ipywidgets anywidget psutil numpy \
 #       pytest pytest-timeout pytest-rerunfailures expecttest ipython
 # They go into a private directory (never into the machine's Python), then
-# `make test-gpu` runs the cuda tier, PyTorch's CUDA RPC suite and the CUDA
-# benchmark rows. Everything it prints is also written to $OUT/test-gpu.log.
+# tools/test_gpu.sh (what `make test-gpu` runs; no `make` needed) runs the cuda
+# tier, the CUDA benchmark rows and PyTorch's CUDA RPC suite. Everything it
+# prints is also written to $OUT/test-gpu.log.
 set -u
 out=${OUT:-/tmp}
 deps=$(mktemp -d /tmp/nbrpc-deps.XXXXXX)
@@ -21,6 +22,6 @@ deps=$(mktemp -d /tmp/nbrpc-deps.XXXXXX)
   export PYTHONPATH="$deps:$PWD"
   python3 -c "import torch, zmq, numpy; print('torch', torch.__version__, 'cuda',
 torch.version.cuda, 'pyzmq', zmq.__version__, 'numpy', numpy.__version__)"
-  timeout 500 make test-gpu GPU_PYTHON=python3
-  echo "make test-gpu: exit status $?"
+  timeout 500 tools/test_gpu.sh python3
+  echo "tools/test_gpu.sh: exit status $?"
 } 2>&1 | tee "$out/test-gpu.log"
