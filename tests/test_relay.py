@@ -230,7 +230,7 @@ def test_a_hello_that_came_while_the_relay_was_paused_counts_before_its_deadline
 
     def paused(self, conn: socket.socket) -> None:
         accept(self, conn)
-        time.sleep(0.5)  # the pause: the engine's HELLO arrives meanwhile
+        time.sleep(1.0)  # the pause: the engine's HELLO arrives meanwhile
 
     monkeypatch.setattr(relay.ControllerRelay, "_on_accept", paused)
     (tmp_path / "driver").mkdir()

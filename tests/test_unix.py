@@ -313,7 +313,7 @@ def test_a_hello_that_came_while_the_loop_was_paused_counts_before_its_deadline(
 
     def paused(self, sock, events: int) -> None:
         accept(self, sock, events)
-        time.sleep(0.5)  # the pause: the peer's hello arrives meanwhile
+        time.sleep(1.0)  # the pause: the peer's hello arrives meanwhile
 
     monkeypatch.setattr(unix.UnixHub, "_on_accept", paused)
     with _pair() as (a, b, got):

@@ -65,6 +65,7 @@ MAX_WAITING = 64  # connections without a HELLO yet, at most
 DIAL_TIMEOUT = 5.0  # seconds to reach a controller channel whose backlog is full
 DIAL_RETRY = 0.01  # seconds between those tries
 BUFFER = 1 << 18  # bytes held per direction of a spliced connection
+STALL_S = 0.5  # seconds from a select to its timers beyond which it selects once more first
 REPORT_DELAY = 0.2  # seconds between writes of the refusals' report, at least
 REPORT_SUFFIX = ".refusals"  # the report's path: the relay's address file's, with this
 _READ = 1 << 16  # bytes read at once
@@ -272,6 +273,7 @@ class Splicer:
 
     def _run(self, done: Callable[[], bool] = lambda: False) -> None:
         last = time.monotonic()
+        stalled = False
         try:
             while not self._stopping:
                 if time.monotonic() - last >= 1.0:
@@ -281,7 +283,9 @@ class Splicer:
                 timeout = 1.0
                 if self._deadlines:
                     timeout = min(1.0, max(0.0, self._deadlines[0][0] - time.monotonic()))
-                for key, events in self._sel.select(timeout):
+                selected = self._sel.select(timeout)
+                polled = time.monotonic()
+                for key, events in selected:
                     kind, what = key.data
                     if kind == "end":
                         self._on_end(what, events)
@@ -295,6 +299,11 @@ class Splicer:
                         except OSError:
                             pass
                 now = time.monotonic()
+                # paused since the select (as the agents' loop, transport/io.py STALL_S):
+                # select again first, so that a HELLO that came meanwhile counts
+                stalled = not stalled and now - polled > STALL_S
+                if stalled:
+                    continue
                 for _ in range(len(self._deadlines)):
                     if self._deadlines[0][0] > now:
                         break
@@ -426,13 +435,8 @@ class ControllerRelay:
         _tcp_options(conn)
         self._waiting[conn] = bytearray()
         self._splicer.watch(conn, lambda: self._on_hello_bytes(conn))
-        self._splicer.later(HELLO_TIMEOUT, lambda: self._hello_deadline(conn))
-
-    def _hello_deadline(self, conn: socket.socket) -> None:
-        if conn in self._waiting:  # (read first: this process may have been paused)
-            self._on_hello_bytes(conn)
-        if conn in self._waiting:
-            self._refuse(conn, f"no HELLO within {HELLO_TIMEOUT:g} s")
+        self._splicer.later(HELLO_TIMEOUT, lambda: conn in self._waiting and self._refuse(
+            conn, f"no HELLO within {HELLO_TIMEOUT:g} s"))
 
     def _on_hello_bytes(self, conn: socket.socket) -> None:
         got = self._waiting.get(conn)

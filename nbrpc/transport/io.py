@@ -76,6 +76,11 @@ log = logging.getLogger(__name__)
 
 MAX_HELD = 10_000  # messages held per peer whose address is not known yet
 _MAX_SLEEP_MS = 500  # the loop wakes at least this often to look at new timers
+# Seconds from a poll to its timers beyond which the loop polls once more first:
+# the process was paused meanwhile (SIGSTOP, a debugger, a long call holding the
+# GIL), and what arrived then (a reply, a connection's hello) must count before
+# the deadlines that fell due in the pause.
+STALL_S = 0.5
 
 
 class IOLoop:
@@ -513,6 +518,7 @@ class IOLoop:
             self._unix.start(poller)
         router, queue, zmq_handlers = self._zmq.router, self._queue, self._zmq.handlers
         others = self._unix.handlers if self._unix is not None else {}
+        stalled = False
         try:
             while not self._stopping:
                 # Announce the sleep before reading the timers: a timer added
@@ -525,6 +531,7 @@ class IOLoop:
                 if queue:
                     timeout = 0
                 ready = dict(poller.poll(timeout))
+                polled = time.monotonic()
                 self._sleeping = False
                 if self._wake_r in ready:
                     try:
@@ -542,7 +549,10 @@ class IOLoop:
                         elif sock in zmq_handlers:  # the ZAP socket, a link monitor
                             zmq_handlers[sock]()
                 if self._timers:
-                    self._run_timers()
+                    # paused since the poll: poll again (at once: timers are due) first
+                    stalled = not stalled and time.monotonic() - polled > STALL_S
+                    if not stalled:
+                        self._run_timers()
             self._serve_queue()  # what was queued before the stop request
         except Exception:  # a bug here must not silently kill the agent
             log.exception("nbrpc I/O thread crashed")

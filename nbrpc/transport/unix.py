@@ -445,12 +445,6 @@ class UnixHub:
             self._call_later(HELLO_TIMEOUT, self._hello_deadline, receiver)
 
     def _hello_deadline(self, receiver: UnixReceiver) -> None:
-        if receiver.authenticated or self._receivers.get(receiver.fd) is not receiver:
-            return
-        # This process may have been paused past the deadline (SIGSTOP, a debugger, a
-        # long call holding the GIL) with the hello waiting unread: the loop runs its
-        # timers before it polls again, so read what has come first.
-        self._on_readable(receiver.fd, 0)
         if not receiver.authenticated and self._receivers.get(receiver.fd) is receiver:
             self._drop_receiver(receiver)
             self._refuse(f"a connection that did not authenticate within {HELLO_TIMEOUT:g} s")
