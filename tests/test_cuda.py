@@ -81,13 +81,13 @@ def _checks(rank: int, rpc, dist_autograd) -> dict:
 
         def staged():
             from nbrpc.serialize import cuda
-            cuda.IPC = False
+            cuda.no_ipc = "the test"
             try:
                 before = counts()["staged"]
                 y = rpc.rpc_sync("w1", torch.clone, (x.t(),))
                 return where(y), torch.equal(y, x.t()), counts()["staged"] > before
             finally:
-                cuda.IPC = True
+                cuda.no_ipc = None
         check("staged through host memory", staged)
         check("cpu lands on w2's gpu", lambda: (
             rpc.rpc_sync("w2", where, (torch.ones(2),)),

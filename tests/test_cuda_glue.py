@@ -75,6 +75,7 @@ def device(monkeypatch) -> dict[str, list]:
     monkeypatch.setattr(cuda, "_open", open_)
     monkeypatch.setattr(pickler, "_onto", lambda t, dev: seen["onto"].append(dev) or t.clone())
     monkeypatch.setattr(cuda, "counts", dict.fromkeys(cuda.counts, 0))
+    monkeypatch.setattr(cuda, "no_ipc", None)  # (whatever NBRPC_CUDA_IPC says here)
     seen["shared"] = shared  # type: ignore[assignment]
     return seen
 
@@ -172,8 +173,6 @@ def test_a_process_that_cannot_export_ipc_handles_stages_and_says_so_once(
     """An allocator that cannot export CUDA IPC handles (cudaMallocAsync, for
     one) makes the sender stage through host memory, from then on, with one
     warning; the tensor still arrives whole."""
-    monkeypatch.setattr(cuda, "_ipc_failed", None)
-
     def cannot(d: torch.Tensor) -> tuple:
         device["share"].append("refused")
         raise RuntimeError("cudaMallocAsync does not yet support shareIpcHandle")

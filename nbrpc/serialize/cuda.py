@@ -43,17 +43,18 @@ from .pickler import finish_tensor, grad_meta
 
 log = logging.getLogger(__name__)
 
-IPC = os.environ.get("NBRPC_CUDA_IPC", "1") != "0"
 HANDOFF_MAX = 4096  # copies waiting for their receiver in this process, at most
 
 # how many tensors went each way, in this process (for traces and benchmarks)
 counts = {"ipc": 0, "staged": 0, "in-process": 0}
 
 
-# Why this process cannot share CUDA memory by IPC (its first failure), or None:
-# from then on it stages through host memory (an allocator that cannot export
-# IPC handles, for example PYTORCH_CUDA_ALLOC_CONF=backend:cudaMallocAsync).
-_ipc_failed: str | None = None
+# Why this process does not share CUDA memory by IPC, or None where it does: it
+# then stages through host memory. NBRPC_CUDA_IPC=0, or the first failure to
+# export a handle (an allocator that cannot, e.g. PYTORCH_CUDA_ALLOC_CONF=
+# backend:cudaMallocAsync), which is warned of once.
+no_ipc: str | None = ("NBRPC_CUDA_IPC=0" if os.environ.get("NBRPC_CUDA_IPC", "1") == "0"
+                      else None)
 
 
 def reduce(t: torch.Tensor, target: str, ctx: Any,
@@ -62,31 +63,35 @@ def reduce(t: torch.Tensor, target: str, ctx: Any,
     ``"cuda:N"``, the receiver's device) at the peer of ``ctx``."""
     place = ctx.peer_place()
     route = ("staged" if target == "cpu" else "in-process" if place == "process"
-             else "ipc" if place == "host" and IPC and _ipc_failed is None else "staged")
-    reduced = None
+             else "ipc" if place == "host" and no_ipc is None else "staged")
     if route == "ipc":
         try:
             reduced = _reduce_ipc(t, target)
         except RuntimeError as e:  # it cannot export a handle: stage, now and from now on
-            _no_ipc(e)
+            _give_up_ipc(e)
             route = "staged"
-    counts[route] += 1
-    note = getattr(ctx, "note_cuda", None)
-    if note is not None:
-        note(route, t.element_size() * t.nelement())
-    if reduced is not None:
-        return reduced
+        else:
+            _count(ctx, route, t)
+            return reduced
+    _count(ctx, route, t)
     if route == "in-process":
         return _reduce_handoff(t, target, ctx)
     return reduce_cpu(t, to_host(t), None if target == "cpu" else target)
 
 
-def _no_ipc(e: BaseException) -> None:
-    global _ipc_failed
-    if _ipc_failed is None:
-        _ipc_failed = f"{type(e).__name__}: {e}"
+def _count(ctx: Any, route: str, t: torch.Tensor) -> None:
+    counts[route] += 1
+    note = getattr(ctx, "note_cuda", None)
+    if note is not None:
+        note(route, t.element_size() * t.nelement())
+
+
+def _give_up_ipc(e: BaseException) -> None:
+    global no_ipc
+    if no_ipc is None:
+        no_ipc = f"{type(e).__name__}: {e}"
         log.warning("nbrpc: this process cannot share CUDA memory by IPC (%s); CUDA tensors "
-                    "to processes on this host go through host memory instead", _ipc_failed)
+                    "to processes on this host go through host memory instead", no_ipc)
 
 
 def to_host(t: torch.Tensor) -> torch.Tensor:

@@ -166,7 +166,7 @@ def _writable(buf: Any) -> Any:
 
 
 def finish_tensor(t: torch.Tensor, requires_grad: bool, is_param: bool, token: Any,
-            device: str | None = None) -> torch.Tensor:
+                  device: str | None = None) -> torch.Tensor:
     """The received tensor as it was sent: on ``device`` (where the device map
     puts it; None: here, on the CPU), a Parameter or requiring grad, and known
     to distributed autograd."""
