@@ -422,9 +422,29 @@ def test_a_write_waits_briefly_for_a_large_segment_in_flight(monkeypatch) -> Non
         w.write(buf)  # the only one of its class is held for good: a fresh one after 20 ms
         waited = time.perf_counter() - t0
         assert (w.created, w.reused, w.waited) == (2, 2, 1) and waited >= 0.02, waited
-        del kept
+        monkeypatch.setattr(shm, "WAIT_S", 5.0)
+        t0 = time.perf_counter()
+        also_kept = _read(w.write(buf), buf.nbytes)  # that receiver keeps what it gets:
+        waited = time.perf_counter() - t0  # no second wait for it (it could be 5 s)
+        assert (w.created, w.reused, w.waited) == (3, 2, 1) and waited < 2.5, waited
+        del kept, also_kept  # both handed back: the class is worth waiting for again
+        box = [_read(w.write(buf), buf.nbytes), _read(w.write(buf), buf.nbytes)]
+        assert (w.created, w.reused) == (3, 4)
+        dropper = threading.Timer(0.05, box.clear)
+        dropper.start()
+        t0 = time.perf_counter()
+        shm._give_back(w.write(buf))
+        waited = time.perf_counter() - t0
+        dropper.join()
+        assert (w.created, w.reused, w.waited) == (3, 5, 2) and waited < 2.5, waited
     finally:
         w.close()
+
+
+def test_the_wait_is_about_half_the_cost_of_a_fresh_segment() -> None:
+    assert shm.wait_bound(shm.WAIT_MIN) >= shm.WAIT_S
+    assert shm.wait_bound(2 << 30) == pytest.approx(0.5)
+    assert shm.wait_bound(256 << 20) == pytest.approx(0.0625)
 
 
 def test_free_segments_past_the_budget_are_removed_before_a_new_one_is_made(monkeypatch) -> None:

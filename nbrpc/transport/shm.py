@@ -55,10 +55,16 @@ a message) finds the segment free. The writer claims a free segment of the
 size class (a power of two) by renaming it back, an atomic claim, before it
 makes a new one; its pages stay allocated, so reuse costs only the copy.
 When a large class (``WAIT_MIN`` and up) has segments in flight but none
-free, the writer first waits up to ``WAIT_S`` for one: a callee holds a
-request's buffers until its answer is sent, so a caller that sends again as
-soon as the answer arrives races that hand-back (a fresh 2 GB segment costs
-seconds; the wait at most 20 ms).
+free, the writer first waits for one: a callee holds a request's buffers
+until its answer is sent, so a caller that sends again as soon as the
+answer arrives races that hand-back. The wait is bounded by about half what
+a fresh segment of the class costs (``cls / WAIT_BYTES_PER_S``, at least
+``WAIT_S``: 31 ms for 128 MB, 62 ms for 256 MB, 0.5 s for 2 GB, whose
+fresh segment takes seconds), so it pays even on a loaded host where the
+callee's hand-back comes late. A wait that ends empty-handed means the
+receiver keeps what it got (a parameter server storing tensors): that
+class then makes fresh segments without waiting, until a write of it finds
+one free again.
 
 Retention. Free segments are kept for reuse, within bounds: before a new
 segment would take the writer's segments past ``KEEP_BYTES``, free ones go,
@@ -136,7 +142,8 @@ KEEP_IDLE_S = 30.0  # a segment not written for this long is removed once free
 TRIM_EVERY_S = 5.0  # how often the I/O loop trims a writer that holds segments
 HELD_MAX_S = 600.0  # in flight this long: unlinked (receivers refuse messages this old)
 WAIT_MIN = 128 << 20  # from this size class on, a write waits for one in flight ...
-WAIT_S = 0.02  # ... at most this long, before it makes a fresh segment
+WAIT_BYTES_PER_S = 4 << 30  # ... at most its size at this rate (half a fresh one's cost),
+WAIT_S = 0.02  # ... and at least this long, before it makes a fresh segment
 CLAIM_TRIES = 16  # segments in flight a write looks past for a free one
 POPULATE_MAX = 64 << 20  # largest reused segment mapped with MAP_POPULATE (GIL held)
 HEADROOM = 16  # a new segment must leave 1/HEADROOM of /dev/shm free for others
@@ -159,6 +166,15 @@ def available() -> bool:
 
 def _size_class(n: int) -> int:
     return 1 << (n - 1).bit_length()
+
+
+def wait_bound(cls: int) -> float:
+    """How long a write of size class ``cls`` waits for one in flight (seconds).
+
+    >>> wait_bound(256 << 20), wait_bound(2 << 30)
+    (0.0625, 0.5)
+    """
+    return max(WAIT_S, cls / WAIT_BYTES_PER_S)
 
 
 def _path(name: str) -> str:
@@ -284,7 +300,7 @@ class ShmWriter:
     ``TRIM_EVERY_S`` while it holds segments.
 
     ``created``, ``reused`` and ``removed`` count segments; ``waited``
-    counts writes that reused a segment after waiting for it (``WAIT_S``).
+    counts writes that reused a segment after waiting for it (:func:`wait_bound`).
     """
 
     def __init__(self, copy: Callable[[memoryview, memoryview], None] = plain_copy,
@@ -301,6 +317,7 @@ class ShmWriter:
         self._timer = False
         self._closed = False
         self._warned = False
+        self._kept_classes: set[int] = set()  # a wait for these came back empty-handed
         self.created = self.reused = self.removed = self.waited = 0
 
     @property
@@ -352,17 +369,23 @@ class ShmWriter:
         opened and reserved up to ``n`` bytes; None when there is none."""
         with self._lock:
             name = self._take(cls)
-            wait = name is None and cls >= WAIT_MIN and any(
-                s.cls == cls and not s.busy for s in self._segs.values())
+            wait = (name is None and cls >= WAIT_MIN and cls not in self._kept_classes
+                    and any(s.cls == cls and not s.busy for s in self._segs.values()))
         if wait:  # one is in flight: it may be a moment from coming back (docstring)
-            deadline = time.monotonic() + WAIT_S
-            for _ in range(int(WAIT_S / 0.001) + 1):
+            bound = wait_bound(cls)
+            deadline = time.monotonic() + bound
+            for _ in range(int(bound / 0.001) + 1):
                 time.sleep(0.001)
                 with self._lock:
                     name = self._take(cls)
                 if name is not None or time.monotonic() > deadline:
                     break
             self.waited += name is not None
+        with self._lock:
+            if name is not None:
+                self._kept_classes.discard(cls)
+            elif wait:  # its receiver keeps it: later writes of the class do not wait
+                self._kept_classes.add(cls)
         if name is None:
             return None
         try:
