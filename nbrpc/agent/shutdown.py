@@ -120,6 +120,9 @@ class Shutdown:
             self._wait_local_idle(deadline, limit)
             rnd = next(self.rounds)
             verdict = self.verdicts[rnd] = Future()
+            if self.cut:  # cut short before cut_short() could see this round's verdict
+                del self.verdicts[rnd]
+                return
             active = len(self.caller.pending) + self.busy()
             with self.caller.lock:
                 report = DrainReport(rnd, active, dict(self.caller.sent_to),
