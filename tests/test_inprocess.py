@@ -408,6 +408,36 @@ def test_dynamic_group_members_join_and_leave() -> None:
             w1.rpc_async("w2", whoami)  # a former member: named, and why
 
 
+class _LeavesWhilePickled:
+    """An argument whose pickling lets ``agent`` (the callee) leave the group and
+    waits until the caller ``seen_by`` has removed it: the callee is gone after
+    the call resolved it and before the call is pending."""
+
+    def __init__(self, agent, seen_by) -> None:
+        self.agent, self.seen_by = agent, seen_by
+
+    def __reduce__(self):
+        self.agent.shutdown()
+        assert poll_for(lambda: self.agent.name not in self.seen_by.members.by_name)
+        return (int, (0,))
+
+
+def test_a_callee_that_leaves_while_its_request_is_pickled_fails_the_call_at_once() -> None:
+    fast = {"heartbeat_interval": 0.2, "failure_timeout": 1.0}
+    with local_group(["lead", "w1"], dynamic=True, **fast) as (lead, w1):
+        from nbrpc.agent import Agent, AgentOptions
+
+        late = Agent("w2", 2, lead._key, world_size=None,
+                     options=AgentOptions(num_worker_threads=2, rpc_timeout=10, **fast))
+        late.start(lead.address, 5)
+        assert poll_for(lambda: "w2" in w1.members.by_name)
+        t0 = time.monotonic()
+        with pytest.raises(WorkerGoneError, match="'w2' left the group"):  # (not a timeout)
+            w1.rpc_async("w2", whoami, (_LeavesWhilePickled(late, w1),)).wait()
+        assert time.monotonic() - t0 < 5 and not w1.caller.pending
+        assert w1.rpc_async("lead", whoami).wait() == "lead"
+
+
 def test_large_tensors_travel_through_shared_memory_and_are_recycled(trio) -> None:
     a, b, _ = trio
     if a.io._shm is None:

@@ -165,6 +165,11 @@ class Caller:
         if wire.refs and may_resend:
             p.resend = (msg, tag, timeout, kind)
         self.pending[mid] = p
+        why = self.members.gone_why(peer) if peer not in self.members else None
+        if why is not None:  # it left while the request was pickled: fail_calls_to ran
+            self.pending.pop(mid, None)  # before this call was pending (or it settled it)
+            wire.unsent()
+            raise WorkerGoneError(self.members.peer_name(peer), why)
         if timeout > 0:
             p.timer = self.io.call_later(timeout, self.expire, mid, timeout)
         with self.lock:
