@@ -649,6 +649,13 @@ def tampered_messages_are_dropped():
         sock.close()
     finally:
         ctx.term()
+    # The served `recorded` went out in rank 0's name: its answer is a stray reply here,
+    # and rank 0's books count it as sent (else the shutdown's sums never balance).
+    caller = current_agent().caller
+    with caller.lock:
+        caller.sent_to[1] += 1
+    if "late_replies_expected" in _CTX:
+        _CTX["late_replies_expected"] += 1
     time.sleep(0.1)  # a negative check: a message wrongly run would have written it by now
     assert not marker.exists(), "a tampered message was executed"
     assert rpc.rpc_sync("worker1", _add, args=(2, 2), timeout=10) == 4
@@ -675,7 +682,8 @@ def init_rpc_twice_is_refused():
 
 @_check("main")
 def late_replies_are_discarded():
-    # runs last: the two timed-out calls above sleep 2 s; their replies come late
+    # runs last: the two timed-out calls above sleep 2 s; their replies come late (and
+    # the forged request that tampered_messages_are_dropped had served was answered here)
     want = _CTX.get("late_replies_expected")
     assert want is not None, "the timeout check did not run"
     c = poll_or_fail(lambda: (c := _counters())["late_replies"] >= want and c, 5.0,
