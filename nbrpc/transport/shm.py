@@ -371,6 +371,8 @@ class ShmWriter:
             name = self._take(cls)
             wait = (name is None and cls >= WAIT_MIN and cls not in self._kept_classes
                     and any(s.cls == cls and not s.busy for s in self._segs.values()))
+            if name is not None:  # one came back: the class is worth waiting for
+                self._kept_classes.discard(cls)
         if wait:  # one is in flight: it may be a moment from coming back (docstring)
             bound = wait_bound(cls)
             deadline = time.monotonic() + bound
@@ -381,11 +383,9 @@ class ShmWriter:
                 if name is not None or time.monotonic() > deadline:
                     break
             self.waited += name is not None
-        with self._lock:
-            if name is not None:
-                self._kept_classes.discard(cls)
-            elif wait:  # its receiver keeps it: later writes of the class do not wait
-                self._kept_classes.add(cls)
+            if name is None:  # its receiver keeps it: later writes of the class do not wait
+                with self._lock:
+                    self._kept_classes.add(cls)
         if name is None:
             return None
         try:
