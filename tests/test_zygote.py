@@ -17,7 +17,9 @@ from conftest import poll_for
 
 from nbrpc.cluster.zygote import Zygote
 
-REPORT = "import os, sys; open(sys.argv[1], 'w').write(os.readlink('/proc/self/ns/net'))"
+# written whole, then renamed: the file never shows up empty or half written
+REPORT = ("import os, sys; ns = os.readlink('/proc/self/ns/net'); "
+          "open(sys.argv[1] + '.part', 'w').write(ns); os.rename(sys.argv[1] + '.part', sys.argv[1])")
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +54,8 @@ def test_a_fork_enters_the_namespace_it_is_given(zygote: Zygote, namespace: str,
                  output=str(tmp_path / "out"), netns=f"/run/netns/{namespace}")
     assert poll_for(report.exists, 10), (tmp_path / "out").read_text()
     theirs = report.read_text()
-    assert theirs == f"net:[{os.stat(f'/run/netns/{namespace}').st_ino}]"
+    assert theirs == f"net:[{os.stat(f'/run/netns/{namespace}').st_ino}]", (
+        tmp_path / "out").read_text()
     assert theirs != os.readlink("/proc/self/ns/net")
 
 
