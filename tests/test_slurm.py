@@ -6,8 +6,10 @@ namespaces (names unique to the run):
 
 * a switch ``sw`` (a bridge); the controller host ``ctl`` running slurmctld;
   compute hosts ``n1`` and ``n2``, each running its own slurmd (``-N``) with
-  its own address; all on 10.215.0.0/24, behind veth links;
-* the machine's own namespace on that bridge too (10.215.0.1), through a veth
+  its own address; all on one 10.215.N.0/24, behind veth links (the first N
+  that no route of the machine covers: a network namespace left by an earlier
+  run that was killed keeps its routes, and the machine's traffic would go there);
+* the machine's own namespace on that bridge too (10.215.N.1), through a veth
   of its own: the driver (the "kernel") runs there, as on a login node, and so
   do ``sbatch``, ``squeue`` and ``scancel``. No Slurm daemon listens in the
   machine's namespace: slurmctld and the slurmds listen inside theirs;
@@ -27,6 +29,7 @@ namespaces cannot be built. Run with ``pytest -m slurm tests/test_slurm.py``.
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
 import secrets
@@ -45,8 +48,8 @@ from test_netns import CLUSTER_CHECKS, REPO, Net, _ip, _Unavailable, drive
 
 pytestmark = pytest.mark.slurm
 
-SUBNET = "10.215.0"
-UPLINK = f"{SUBNET}.1"  # the machine's own namespace: the driver, sbatch, squeue
+SUBNETS = "10.215"  # the run's /24 is the first free 10.215.N.0/24 (free_subnet)
+UPLINK = 1  # the machine's own namespace's octet: the driver, sbatch, squeue
 HOSTS = {"ctl": 9, "n1": 2, "n2": 3}  # host -> last octet of its address
 NODES = ("n1", "n2")
 CPUS = 4  # per node, as configured (more than the machine has: config_overrides)
@@ -97,6 +100,27 @@ PartitionName=closed Nodes=n1 MaxTime=INFINITE State=DOWN
 CGROUP_CONF = "CgroupPlugin=cgroup/v1\nCgroupMountpoint=/sys/fs/cgroup\n"
 
 
+def free_subnet() -> str:
+    """The first ``10.215.N`` whose /24 no route of this machine's namespace
+    overlaps as or more specifically (a shorter route, say 10.0.0.0/8, loses to
+    ours): a namespace left behind by an earlier run that was killed before its
+    teardown keeps its veth and route here, and traffic for a /24 that two
+    routes cover goes to the older one (a dead controller: "connect failure")."""
+    routes = json.loads(_ip("-j", "-4", "route", "show", "table", "all") or "[]")
+    taken = []
+    for r in routes:
+        dst = r.get("dst", "default")
+        if dst != "default":
+            net = ipaddress.ip_network(dst if "/" in dst else f"{dst}/32", strict=False)
+            if net.prefixlen >= 24:
+                taken.append(net)
+    for n in range(256):
+        ours = ipaddress.ip_network(f"{SUBNETS}.{n}.0/24")
+        if not any(ours.overlaps(t) for t in taken):
+            return f"{SUBNETS}.{n}"
+    raise _Unavailable(f"every {SUBNETS}.N.0/24 is routed on this machine already")
+
+
 @dataclass
 class Slurm:
     """The run's Slurm cluster: its directory, namespaces and daemons."""
@@ -104,6 +128,7 @@ class Slurm:
     dir: Path
     prefix: str
     uplink: str  # the machine-side veth's name
+    subnet: str  # 10.215.N: the hosts are .9 (ctl), .2, .3 (nodes); the machine .1
     daemons: list[subprocess.Popen] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -118,6 +143,9 @@ class Slurm:
 
     def ns(self, host: str) -> str:
         return self.net.ns(host)
+
+    def addr(self, octet: int) -> str:
+        return f"{self.subnet}.{octet}"
 
     def inode(self, host: str) -> str:
         return self.net.inode(host)
@@ -152,7 +180,7 @@ class Slurm:
             (d / sub).mkdir(parents=True)
         (d / "munge.key").write_bytes(secrets.token_bytes(128))
         (d / "munge.key").chmod(0o600)
-        addr = {h: f"{SUBNET}.{o}" for h, o in HOSTS.items()}
+        addr = {h: self.addr(o) for h, o in HOSTS.items()}
         (d / "slurm.conf").write_text(SLURM_CONF.format(
             tag=self.prefix.rsplit("-", 1)[-1], hostname=socket.gethostname().split(".")[0],
             ctl=addr["ctl"], ctl_port=SLURMCTLD_PORT, slurmd_port=SLURMD_PORT, dir=d,
@@ -195,7 +223,7 @@ class Slurm:
         _ip("link", "add", self.uplink, "type", "veth", "peer", "name", "up0", "netns", sw,
             probe=True)
         _ip("-n", sw, "link", "set", "up0", "master", "br0", "up")
-        _ip("addr", "add", f"{UPLINK}/24", "dev", self.uplink)
+        _ip("addr", "add", f"{self.addr(UPLINK)}/24", "dev", self.uplink)
         _ip("link", "set", self.uplink, "up")
         for host, octet in HOSTS.items():
             ns = self.ns(host)
@@ -204,7 +232,7 @@ class Slurm:
             _ip("-n", sw, "link", "add", f"v{host}", "type", "veth", "peer", "name", "eth0",
                 "netns", ns)
             _ip("-n", sw, "link", "set", f"v{host}", "master", "br0", "up")
-            _ip("-n", ns, "addr", "add", f"{SUBNET}.{octet}/24", "dev", "eth0")
+            _ip("-n", ns, "addr", "add", f"{self.addr(octet)}/24", "dev", "eth0")
             _ip("-n", ns, "link", "set", "eth0", "up")
             _ip("-n", ns, "link", "set", "lo", "up")
 
@@ -239,8 +267,12 @@ def slurm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Slurm]:
         pytest.skip(f"missing {missing}: apt-get install slurm-wlm munge iproute2 "
                     "(make test does, where it may)")
     tag = secrets.token_hex(2)
+    try:
+        subnet = free_subnet()
+    except _Unavailable as e:
+        pytest.skip(f"no address range for the Slurm hosts here: {e}")
     s = Slurm(tmp_path_factory.mktemp("slurm"), f"nbsl-{os.getpid()}-{tag}",
-              f"nbsl{os.getpid() % 10000}{tag}"[:15])
+              f"nbsl{os.getpid() % 10000}{tag}"[:15], subnet)
     s.dir.chmod(0o700)  # munged refuses a key or socket others may reach
     try:
         s.build()
@@ -256,7 +288,7 @@ def slurm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Slurm]:
 
 def run_driver(slurm: Slurm, script: str, cfg: dict, cwd: Path) -> dict:
     """Run a driver script in the machine's namespace; its last MARK line, as JSON."""
-    cfg = {**cfg, "addr": UPLINK, "mark": MARK}
+    cfg = {**cfg, "addr": slurm.addr(UPLINK), "mark": MARK}
     cmd = [sys.executable, "-c", script, json.dumps(cfg)]
     env = {**slurm.env, "PYTHONPATH": str(REPO)}
     return drive(cmd, env=env, cwd=cwd, timeout=DRIVER_TIMEOUT, mark=MARK, also=slurm.logs)
@@ -393,7 +425,7 @@ def test_cluster_under_slurm(slurm: Slurm, tmp_path: Path,
         assert w["worker"] == name and w["job"], w
         assert w["netns"] in inodes, f"{name} does not run on a compute host: {w}"
         assert inodes[w["netns"]] == w["node"], w  # the node Slurm says is where it is
-        host = f"{SUBNET}.{HOSTS[w['node']]}"
+        host = slurm.addr(HOSTS[w["node"]])
         assert w["address"].startswith(f"tcp://{host}:"), w  # bound to its node's address
         assert out["jobs"][name] == f"Slurm job {w['job']} RUNNING on {w['node']}", out["jobs"]
     assert len({w["job"] for w in workers.values()}) == 4  # one job per worker
@@ -479,3 +511,27 @@ def test_magic_under_slurm_and_a_job_left_pending(slurm: Slurm, tmp_path: Path) 
     assert "PENDING (PartitionDown)" in pending, pending  # said while it waited
     assert out["pending_s"] < 40, out
     assert_queue_empty(slurm, "after the failed start")
+
+
+def test_the_hosts_avoid_a_subnet_a_dead_run_left_routed() -> None:
+    """A killed run's namespaces keep their veth and route in the machine's
+    namespace; this run's hosts take the next /24 instead of sharing it (the
+    machine's traffic would go to the dead run's controller)."""
+    if sys.platform != "linux" or os.geteuid() != 0 or shutil.which("ip") is None:
+        pytest.skip("needs Linux, root and iproute2 (a veth in the machine's namespace)")
+    first = free_subnet()
+    name = f"nbst{os.getpid() % 10000}{secrets.token_hex(2)}"[:15]
+    try:
+        _ip("link", "add", name, "type", "veth", "peer", "name", f"{name[:13]}p", probe=True)
+    except _Unavailable as e:
+        pytest.skip(f"cannot make a veth here: {e}")
+    try:
+        _ip("addr", "add", f"{first}.1/24", "dev", name)
+        _ip("link", "set", name, "up")
+        second = free_subnet()
+        assert second != first
+        assert not ipaddress.ip_network(f"{second}.0/24").overlaps(
+            ipaddress.ip_network(f"{first}.0/24"))
+    finally:
+        _ip("link", "del", name)  # its peer goes with it
+    assert free_subnet() == first
