@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import socket
 import stat
 import subprocess
 import sys
@@ -15,7 +16,9 @@ import zmq
 from conftest import poll_for
 
 from nbrpc.transport import IOLoop, local, new_key
+from nbrpc.transport.dealer import Dealer
 from nbrpc.transport.unix import UnixSender
+from nbrpc.transport.zmqhub import close_monitor
 
 
 def _loop(received: list) -> IOLoop:
@@ -295,3 +298,37 @@ def test_a_message_for_another_member_or_run_is_refused() -> None:
     finally:
         a.stop()
         b.stop()
+
+
+def test_a_dropped_connection_that_connects_while_it_lingers_leaves_the_context_working() -> None:
+    """A dropped DEALER lingers (its queued frames drain) after its monitor's
+    reader is closed. libzmq's I/O thread sends each link event to the monitor
+    with a blocking send, so an event then, with monitoring still on, stops
+    that thread for good and every socket of the context with it: the agent
+    went deaf after a restarted worker's old process died (its connection
+    lost) while the dealer to it was closing. Here the event is a connect:
+    the dealer's peer starts listening only after the drop."""
+    ctx = zmq.Context()
+    probe = socket.socket()
+    probe.bind(("127.0.0.1", 0))
+    port = probe.getsockname()[1]
+    probe.close()
+    sock = ctx.socket(zmq.DEALER)
+    monitor = sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+    sock.connect(f"tcp://127.0.0.1:{port}")
+    sock.send(b"queued", zmq.NOBLOCK)  # no peer yet: the close lingers for it
+    dealer = Dealer(1, lambda *a: None, lambda *a: None, sock, monitor)
+    assert dealer.drop(linger=5000) == []
+    close_monitor(dealer)  # as the loop's unwatch, at once
+    late = ctx.socket(zmq.ROUTER)
+    late.bind(f"tcp://127.0.0.1:{port}")  # the lingering dealer connects: an event
+    drained = bool(late.poll(5000)) and late.recv_multipart()[1] == b"queued"  # as promised
+    a, b = ctx.socket(zmq.ROUTER), ctx.socket(zmq.DEALER)
+    b.connect(f"tcp://127.0.0.1:{a.bind_to_random_port('tcp://127.0.0.1')}")
+    b.send(b"ping")
+    if not (drained and a.poll(5000)):  # (a wedged context cannot be terminated: left)
+        pytest.fail(f"the context's I/O thread is stuck (queued frame drained: {drained}, "
+                    "a new connection carried nothing)")
+    for s in (a, b, late):
+        s.close(linger=0)
+    ctx.term()

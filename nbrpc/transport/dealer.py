@@ -107,9 +107,20 @@ class Dealer:
         with self.lock:
             stranded = list(self.queue)
             self.queue.clear()
-            self.sock.close(linger=linger)
+            self.close(linger)
             self.dropped = True
         return stranded
+
+    def close(self, linger: int) -> None:
+        """Close the socket (the caller holds ``lock``), its monitoring stopped
+        first. A closed zmq socket lives on while it lingers, and may still
+        connect or lose its connection; libzmq sends each such event to the
+        monitor with a blocking send from its I/O thread, so one event for a
+        monitor whose reader has been closed stops that thread for good: no
+        socket of the context sends or receives again (the agent goes deaf)."""
+        if self.monitor is not None and not self.sock.closed:
+            self.sock.disable_monitor()
+        self.sock.close(linger=linger)
 
     def take_last(self, msg_id: int) -> list | None:
         """The frames of message ``msg_id``, taken out of the queue if it is

@@ -493,7 +493,7 @@ class IOLoop:
             for dealer in self._dealers.values():
                 dealer.flush()  # (deferred messages a last flush missed)
                 with dealer.lock:
-                    dealer.sock.close(linger=LINGER_MS)
+                    dealer.close(LINGER_MS)
                 close_monitor(dealer)
             self._dealers.clear()
         if self.channels is not None:

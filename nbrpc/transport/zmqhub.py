@@ -454,6 +454,7 @@ class ZmqHub:
         for _, dealer in list(self._monitors.values()):
             close_monitor(dealer)
         self._monitors.clear()
+        self.router.disable_monitor()  # (before its reader goes: see Dealer.close)
         self.router.close(linger=0)
         self._router_events.close(linger=0)
         if self._zap is not None:
