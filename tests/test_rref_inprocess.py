@@ -272,6 +272,24 @@ def test_creation_error_reraised_by_to_here_proxies_and_forks(group, caplog) -> 
     assert logged == ["nbrpc agent 'b': remote from 'a' raised ValueError: creation failed"]
 
 
+def test_a_call_that_raises_lets_go_of_its_rref_argument_without_a_garbage_collection(
+        group) -> None:
+    """The callee formats the error it sends back; reading its frames' variables
+    for ``__tracebackhide__`` (``f_locals``) left a cycle through the exception
+    that kept the call's frames, and the user RRef they held, until the next
+    collection (under load the fixture's one ``gc.collect()`` came too early)."""
+    a, _, c = group
+    r = remote(a, "b", fail, ("creation failed",), {}, -1)
+    gc.disable()
+    try:
+        with pytest.raises(ValueError, match="creation failed"):
+            a.rpc_async("c", tag_of, (r,)).wait()
+        assert poll_for(lambda: not c.ext["rref"].state.users, timeout=5), \
+            c.ext["rref"].snapshot()
+    finally:
+        gc.enable()
+
+
 def test_pickling_outside_rpc_is_refused_with_the_fix(group) -> None:
     a, _, _ = group
     r = remote(a, "b", Tracked, ("pk",), {}, -1)

@@ -25,6 +25,7 @@ the code cache (:mod:`.code`) once per definition and peer.
 
 from __future__ import annotations
 
+import inspect
 import linecache
 import sys
 import traceback
@@ -36,6 +37,7 @@ from cloudpickle import cloudpickle as _cp
 
 LABELS_MAX = 4096  # files whose label (and shipped lines) a process keeps
 LINES_MAX = 100_000  # a longer file's lines are not kept
+_CO_OPTIMIZED = inspect.CO_OPTIMIZED  # a function's frame (not a module's or class's body)
 
 # id(code) -> (a weak reference to it, what travels with it); by identity, since
 # code objects compare equal across files (co_filename is not compared)
@@ -122,6 +124,26 @@ class _Stack(traceback.StackSummary):
         return text
 
 
+def _hides(frame: types.FrameType) -> bool:
+    """Whether ``frame`` sets ``__tracebackhide__``. A function's frame is asked
+    its code, not its ``f_locals``: before Python 3.13 reading those leaves a
+    dict of the frame's variables on it, and the frame that formats an
+    exception holds that exception, whose traceback holds the frame. The
+    cycle kept every frame of the traceback alive, with the arguments they
+    hold (RRefs, tensors), until the next garbage collection.
+
+    >>> def hidden():
+    ...     __tracebackhide__ = True
+    ...     return sys._getframe()
+    >>> _hides(hidden()), _hides(sys._getframe())
+    (True, False)
+    """
+    code = frame.f_code
+    if code.co_flags & _CO_OPTIMIZED:  # a function: its variables are its code's
+        return "__tracebackhide__" in code.co_varnames
+    return bool(frame.f_locals.get("__tracebackhide__"))  # a module's or class's namespace
+
+
 def format_exception(e: BaseException) -> str:
     """``e``'s traceback as text, as :func:`traceback.format_exception` writes
     it, but with notebook cells named by their labels and without frames that
@@ -139,7 +161,7 @@ def format_exception(e: BaseException) -> str:
         if len(frames) == len(stack):  # (a traceback limit would misalign them)
             last = len(stack) - 1
             stack = [s for i, (s, f) in enumerate(zip(stack, frames))
-                     if i == last or not f.f_locals.get("__tracebackhide__")]
+                     if i == last or not _hides(f)]
         te.stack = _Stack(stack)
         todo += [(te.__cause__, exc.__cause__), (te.__context__, exc.__context__)]
     return "".join(root.format())
