@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
 import stat
 import subprocess
 import sys
@@ -13,7 +12,7 @@ import time
 
 import pytest
 import zmq
-from conftest import poll_for
+from conftest import free_ports, poll_for
 
 from nbrpc.transport import IOLoop, local, new_key
 from nbrpc.transport.dealer import Dealer
@@ -309,10 +308,7 @@ def test_a_dropped_connection_that_connects_while_it_lingers_leaves_the_context_
     lost) while the dealer to it was closing. Here the event is a connect:
     the dealer's peer starts listening only after the drop."""
     ctx = zmq.Context()
-    probe = socket.socket()
-    probe.bind(("127.0.0.1", 0))
-    port = probe.getsockname()[1]
-    probe.close()
+    port = free_ports(1)[0]
     sock = ctx.socket(zmq.DEALER)
     monitor = sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
     sock.connect(f"tcp://127.0.0.1:{port}")

@@ -96,12 +96,13 @@ class Net:
     prefix: str  # unique per run: nbrpc-<pid>-<hex>
     created: list[str]  # namespaces made so far (deleted in reverse)
     hosts: dict[str, int] = field(default_factory=lambda: dict(HOSTS))  # host -> octet
+    subnet: str = SUBNET  # the hosts' /24, as "a.b.c"
 
     def ns(self, host: str) -> str:
         return f"{self.prefix}-{host}"
 
     def addr(self, host: str) -> str:
-        return f"{SUBNET}.{self.hosts[host]}"
+        return f"{self.subnet}.{self.hosts[host]}"
 
     def inode(self, host: str) -> str:
         """What ``readlink /proc/PID/ns/net`` shows for a process in ``host``."""

@@ -132,7 +132,7 @@ class Slurm:
     daemons: list[subprocess.Popen] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        self.net = Net(self.prefix, [], {h: o for h, o in HOSTS.items()})
+        self.net = Net(self.prefix, [], dict(HOSTS), self.subnet)
 
     @property
     def env(self) -> dict[str, str]:
@@ -144,8 +144,9 @@ class Slurm:
     def ns(self, host: str) -> str:
         return self.net.ns(host)
 
-    def addr(self, octet: int) -> str:
-        return f"{self.subnet}.{octet}"
+    def addr(self, host: str) -> str:
+        """A host's address (``"up"``: the machine's own namespace)."""
+        return f"{self.subnet}.{UPLINK}" if host == "up" else self.net.addr(host)
 
     def inode(self, host: str) -> str:
         return self.net.inode(host)
@@ -180,7 +181,7 @@ class Slurm:
             (d / sub).mkdir(parents=True)
         (d / "munge.key").write_bytes(secrets.token_bytes(128))
         (d / "munge.key").chmod(0o600)
-        addr = {h: self.addr(o) for h, o in HOSTS.items()}
+        addr = {h: self.addr(h) for h in HOSTS}
         (d / "slurm.conf").write_text(SLURM_CONF.format(
             tag=self.prefix.rsplit("-", 1)[-1], hostname=socket.gethostname().split(".")[0],
             ctl=addr["ctl"], ctl_port=SLURMCTLD_PORT, slurmd_port=SLURMD_PORT, dir=d,
@@ -223,16 +224,16 @@ class Slurm:
         _ip("link", "add", self.uplink, "type", "veth", "peer", "name", "up0", "netns", sw,
             probe=True)
         _ip("-n", sw, "link", "set", "up0", "master", "br0", "up")
-        _ip("addr", "add", f"{self.addr(UPLINK)}/24", "dev", self.uplink)
+        _ip("addr", "add", f"{self.addr('up')}/24", "dev", self.uplink)
         _ip("link", "set", self.uplink, "up")
-        for host, octet in HOSTS.items():
+        for host in HOSTS:
             ns = self.ns(host)
             _ip("netns", "add", ns, probe=True)
             self.net.created.append(ns)
             _ip("-n", sw, "link", "add", f"v{host}", "type", "veth", "peer", "name", "eth0",
                 "netns", ns)
             _ip("-n", sw, "link", "set", f"v{host}", "master", "br0", "up")
-            _ip("-n", ns, "addr", "add", f"{self.addr(octet)}/24", "dev", "eth0")
+            _ip("-n", ns, "addr", "add", f"{self.addr(host)}/24", "dev", "eth0")
             _ip("-n", ns, "link", "set", "eth0", "up")
             _ip("-n", ns, "link", "set", "lo", "up")
 
@@ -288,7 +289,7 @@ def slurm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Slurm]:
 
 def run_driver(slurm: Slurm, script: str, cfg: dict, cwd: Path) -> dict:
     """Run a driver script in the machine's namespace; its last MARK line, as JSON."""
-    cfg = {**cfg, "addr": slurm.addr(UPLINK), "mark": MARK}
+    cfg = {**cfg, "addr": slurm.addr("up"), "mark": MARK}
     cmd = [sys.executable, "-c", script, json.dumps(cfg)]
     env = {**slurm.env, "PYTHONPATH": str(REPO)}
     return drive(cmd, env=env, cwd=cwd, timeout=DRIVER_TIMEOUT, mark=MARK, also=slurm.logs)
@@ -425,7 +426,7 @@ def test_cluster_under_slurm(slurm: Slurm, tmp_path: Path,
         assert w["worker"] == name and w["job"], w
         assert w["netns"] in inodes, f"{name} does not run on a compute host: {w}"
         assert inodes[w["netns"]] == w["node"], w  # the node Slurm says is where it is
-        host = slurm.addr(HOSTS[w["node"]])
+        host = slurm.addr(w["node"])
         assert w["address"].startswith(f"tcp://{host}:"), w  # bound to its node's address
         assert out["jobs"][name] == f"Slurm job {w['job']} RUNNING on {w['node']}", out["jobs"]
     assert len({w["job"] for w in workers.values()}) == 4  # one job per worker

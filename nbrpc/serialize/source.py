@@ -37,7 +37,6 @@ from cloudpickle import cloudpickle as _cp
 
 LABELS_MAX = 4096  # files whose label (and shipped lines) a process keeps
 LINES_MAX = 100_000  # a longer file's lines are not kept
-_CO_OPTIMIZED = inspect.CO_OPTIMIZED  # a function's frame (not a module's or class's body)
 
 # id(code) -> (a weak reference to it, what travels with it); by identity, since
 # code objects compare equal across files (co_filename is not compared)
@@ -139,7 +138,7 @@ def _hides(frame: types.FrameType) -> bool:
     (True, False)
     """
     code = frame.f_code
-    if code.co_flags & _CO_OPTIMIZED:  # a function: its variables are its code's
+    if code.co_flags & inspect.CO_OPTIMIZED:  # a function: its variables are its code's
         return "__tracebackhide__" in code.co_varnames
     return bool(frame.f_locals.get("__tracebackhide__"))  # a module's or class's namespace
 
