@@ -3,11 +3,18 @@ are LocalPass objects and the test carries their outboxes by hand."""
 
 from __future__ import annotations
 
+import functools
+import sys
+
 import pytest
 import torch
+from torch.autograd.graph import get_gradient_edge
 
 from nbrpc.autograd.backward import check_roots
-from nbrpc.autograd.engine import BackwardError, LocalPass
+from nbrpc.autograd.engine import BackwardError
+from nbrpc.autograd.engine import LocalPass as _LocalPass
+
+LocalPass = _LocalPass  # each test: by_engine set both ways (the by_engine fixture)
 
 
 class Counted(torch.autograd.Function):
@@ -28,6 +35,15 @@ class Counted(torch.autograd.Function):
 @pytest.fixture(autouse=True)
 def _reset_counter():
     Counted.calls = []
+
+
+@pytest.fixture(autouse=True, params=[False, True], ids=["node by node", "by engine"])
+def by_engine(request, monkeypatch) -> bool:
+    """Every test runs both ways a stage can run: one node at a time (step
+    mode, and stages that leave nodes waiting) and in PyTorch's engine."""
+    monkeypatch.setattr(sys.modules[__name__], "LocalPass",
+                        functools.partial(_LocalPass, by_engine=request.param))
+    return request.param
 
 
 def collector() -> tuple[dict, callable]:
@@ -141,7 +157,8 @@ def test_a_second_pass_without_retain_graph_fails_like_pytorch() -> None:
     assert torch.allclose(got[x], 4 * x.detach().exp())
     third = LocalPass("A", {}, {}, acc, roots=[loss])
     third.start()
-    with pytest.raises(BackwardError, match="backward through the graph a second time"):
+    # (nbrpc's BackwardError one node at a time, PyTorch's RuntimeError by its engine)
+    with pytest.raises(RuntimeError, match="backward through the graph a second time"):
         third.run()
 
 
@@ -246,12 +263,141 @@ def test_a_leafs_tensor_hooks_run_before_its_gradient_is_stored() -> None:
     w.register_hook(lambda g: g * 2)
     loss = (w * torch.tensor([1.0, 2.0, 3.0])).sum()
     got, accumulate = collector()
-    p = LocalPass("w", {}, {}, accumulate, roots=[loss])
+    p = LocalPass("w", {}, {}, accumulate, roots=[loss], retain_graph=True)
     p.start()
     p.run()
     loss.backward()  # the same in local autograd
     assert torch.equal(got[w], w.grad) and torch.equal(got[w], torch.tensor([2.0, 4.0, 6.0]))
     assert len(seen) == 2 and torch.equal(seen[0], torch.tensor([1.0, 2.0, 3.0]))
+
+
+# -- hooks: every kind PyTorch's engine runs, in its order, checked against it ------------
+def _hooked_model(log: list) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """A small graph with every kind of backward hook, each logging what it saw
+    and most changing the gradient: tensor hooks on a non-leaf and a leaf,
+    ``retain_grad``, node pre-hooks and post hooks (on an interior node, a
+    leaf's ``AccumulateGrad`` and a Python Function's node), and an
+    ``nn.Module``'s full backward hooks, which PyTorch builds from those."""
+    torch.manual_seed(0)
+    x = torch.randn(2, 3, requires_grad=True)
+    lin = torch.nn.Linear(3, 3)
+    lin.register_full_backward_pre_hook(
+        lambda m, go: log.append(("module pre", go[0].sum().item())) or (go[0] * 2,))
+    lin.register_full_backward_hook(
+        lambda m, gi, go: log.append(("module", gi[0].sum().item())))
+    h = lin(x)
+    h.retain_grad()
+    a = Counted.apply(h.tanh())
+    a.register_hook(lambda g: log.append(("tensor a", g.sum().item())) or g * 3)
+    a.grad_fn.register_prehook(lambda go: log.append(("pre a", go[0].sum().item())))
+    a.grad_fn.register_hook(
+        lambda gi, go: log.append(("post a", gi[0].sum().item())) or (gi[0] + 1,))
+    m = a * x.sum(0)
+    m.grad_fn.register_hook(lambda gi, go: log.append(("post m", len(gi), len(go))))
+    removed = m.grad_fn.register_prehook(lambda go: log.append(("removed",)))
+    removed.remove()
+    acc = get_gradient_edge(lin.weight).node
+    acc.register_prehook(lambda go: log.append(("pre W", go[0].sum().item())) or (go[0] / 4,))
+    acc.register_hook(lambda gi, go: log.append(("post W", len(gi), go[0].sum().item())))
+    x.register_hook(lambda g: log.append(("tensor x", g.sum().item())))
+    return [x, lin.weight, lin.bias, h], m.sum()
+
+
+def test_every_kind_of_hook_runs_as_in_local_autograd() -> None:
+    (x, w, b, h), loss = _hooked_model([])
+    loss.backward()
+    want = {"x": x.grad, "W": w.grad, "b": b.grad, "h": h.grad}
+
+    (x, w, b, h), loss = _hooked_model([])  # a fresh, identical model
+    got, accumulate = collector()
+    p = LocalPass("w", {}, {}, accumulate, roots=[loss])
+    p.start()
+    p.run()
+    for name, t in (("x", x), ("W", w), ("b", b)):
+        torch.testing.assert_close(got[t], want[name])
+        assert t.grad is None  # (into the context only)
+    torch.testing.assert_close(h.grad, want["h"])  # retain_grad, as PyTorch's DistEngine
+    assert len(Counted.calls) == 2  # one run per pass
+
+
+def test_hooks_run_in_pytorchs_order_and_see_its_values(by_engine: bool) -> None:
+    """The log of every hook, in order, with what it saw: identical to local
+    autograd's (``backward()`` with the weight's AccumulateGrad running). By
+    the engine, an AccumulateGrad node's own hooks run once it returns."""
+    local: list = []
+    _, loss = _hooked_model(local)
+    loss.backward()
+    if by_engine:
+        local = ([e for e in local if e[0] not in ("pre W", "post W")]
+                 + [e for e in local if e[0] in ("pre W", "post W")])
+    mine: list = []
+    _, loss = _hooked_model(mine)
+    got, accumulate = collector()
+    p = LocalPass("w", {}, {}, accumulate, roots=[loss])
+    p.start()
+    p.run()
+    assert [e[0] for e in mine] == [e[0] for e in local]
+    for a, b in zip(mine, local):
+        assert a[0] == b[0] and len(a) == len(b)
+        for u, v in zip(a[1:], b[1:]):
+            assert u == pytest.approx(v, rel=1e-5), (a, b)
+    assert ("removed",) not in mine
+
+
+def test_accumulate_grad_hooks_run_once_per_pass_with_the_summed_gradient() -> None:
+    """PyTorch's test_post_hooks, and pre-hooks: a leaf used twice gets one
+    gradient, so its node's hooks run once (1 + 2 + 2)."""
+    calls = []
+    t = torch.rand(10, 10, requires_grad=True)
+    a = t + t
+    first, second = a.grad_fn.next_functions[0][0], a.grad_fn.next_functions[1][0]
+    first.register_hook(lambda gi, go: calls.append(1))
+    first.register_hook(lambda gi, go: calls.append(2))
+    second.register_hook(lambda gi, go: calls.append(2) or None)
+    first.register_prehook(lambda go: calls.append(("pre", go[0][0, 0].item())))
+    got, accumulate = collector()
+    p = LocalPass("t", {}, {}, accumulate, roots=[a.sum()])
+    p.start()
+    p.run()
+    assert calls == [("pre", 2.0), 1, 2, 2]
+    assert list(got) == [t] and torch.equal(got[t], torch.full((10, 10), 2.0))
+
+
+def test_a_hook_that_breaks_the_gradient_fails_as_in_pytorch() -> None:
+    def grown(grad_inputs, grad_outputs):
+        return (torch.ones(5),)
+
+    def run(local: bool) -> str:
+        w = torch.ones(2, requires_grad=True)
+        y = (w * 2).tanh()
+        y.grad_fn.register_hook(grown)
+        with pytest.raises(RuntimeError) as err:
+            if local:
+                y.sum().backward()
+            else:
+                p = LocalPass("w", {}, {}, lambda t, g: None, roots=[y.sum()])
+                p.start()
+                p.run()
+        return str(err.value)
+
+    assert run(local=False) == run(local=True) == "hook 'grown' has changed the size of value"
+
+
+def test_reading_a_nodes_hooks_leaves_them_as_they_were() -> None:
+    """nbrpc reads a node's hook tables by registering a no-op and removing
+    it: a later pass, local or distributed, runs exactly the user's hooks, and
+    hooks registered after a pass are seen by the next one."""
+    w = torch.ones(2, requires_grad=True)
+    y = (w * 3).sum()
+    calls = []
+    for _ in range(2):
+        p = LocalPass("w", {}, {}, lambda t, g: None, roots=[y], retain_graph=True)
+        p.start()
+        p.run()
+        get_gradient_edge(w).node.register_hook(lambda gi, go: calls.append("late"))
+    assert calls == ["late"]  # the second pass saw the hook added after the first
+    y.backward()
+    assert calls == ["late", "late", "late"] and torch.equal(w.grad, torch.full((2,), 3.0))
 
 
 def test_a_gradient_is_used_on_the_device_of_the_tensor_it_belongs_to() -> None:
@@ -312,3 +458,31 @@ def test_the_graph_names_the_device_of_each_node_off_the_cpu() -> None:
     y = torch.ones(2, requires_grad=True)
     d = graph_data(Agent(), AutogradContext(2), roots=[(y * 2).sum()])
     assert all("device" not in n for n in d["nodes"]) and lane_title(d) == "w0"
+
+
+def test_a_stage_where_no_node_waits_is_one_call_of_pytorchs_engine(
+        by_engine: bool, monkeypatch) -> None:
+    """By the engine, a closed stage (a 30-node chain) is one engine call;
+    one node at a time, each node's tensor hooks are one call."""
+    from nbrpc.autograd import engine
+
+    calls = []
+
+    class Spy:
+        def run_backward(self, *args):
+            calls.append(len(args[0]))
+            return real.run_backward(*args)
+
+    real = engine._ENGINE
+    monkeypatch.setattr(engine, "_ENGINE", Spy())
+    w = torch.ones(3, requires_grad=True)
+    y = w
+    for _ in range(30):
+        y = y * 1.5
+    got, accumulate = collector()
+    p = LocalPass("w", {}, {}, accumulate, roots=[y.sum()])
+    p.start()
+    record, _ = p.run()
+    assert len(record.nodes) == 32  # sum, 30 muls, the leaf
+    assert calls == ([1] if by_engine else [1] * 31)
+    torch.testing.assert_close(got[w], torch.full((3,), 1.5 ** 30))

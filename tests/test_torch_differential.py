@@ -574,6 +574,54 @@ def dist_second_backward_without_retain_graph(rpc):
         return _raises(lambda: _AUTOGRAD.backward(ctx, [loss]))
 
 
+_W1_HOOK_LOG: list = []  # on w1: what the hooks of dist_hooks saw there
+
+
+def _log_sum(log: list, name: str, scale: float = 1.0) -> Callable:
+    def hook(g):
+        log.append([name, round(float(g.sum()), 5)])
+        return None if scale == 1.0 else g * scale
+    return hook
+
+
+def _hooked_matmul_tanh(x: torch.Tensor, key: str) -> torch.Tensor:
+    """On w1: hooks on the received tensor, an interior tensor and node, and
+    W's AccumulateGrad, each logging what it saw."""
+    log = _W1_HOOK_LOG
+    w = _w(key)
+    x.register_hook(_log_sum(log, "w1: received x"))
+    y = x @ w
+    y.register_hook(_log_sum(log, "w1: y", 2.0))
+    y.grad_fn.register_prehook(lambda go: log.append(["w1: pre mm", len(go)]))
+    acc = y.grad_fn.next_functions[1][0]
+    acc.register_hook(lambda gi, go: log.append(["w1: post W", len(gi), len(go)]))
+    return torch.tanh(y)
+
+
+def _w1_hook_log() -> list:
+    return list(_W1_HOOK_LOG)
+
+
+@_obs
+def dist_hooks(rpc):
+    """Tensor hooks (leaf, interior, sent, received), node pre- and post hooks
+    and an AccumulateGrad's post hook on both workers: what each saw, in order,
+    and the gradients they changed."""
+    log: list = []
+    x = _x()
+    x.register_hook(_log_sum(log, "w0: x"))
+    sent = x * 1.0
+    sent.register_hook(_log_sum(log, "w0: sent", 0.5))
+    sent.grad_fn.register_hook(lambda gi, go: log.append(["w0: post mul", len(gi), len(go)]))
+    with _AUTOGRAD.context() as ctx:
+        out = rpc.rpc_sync("w1", _hooked_matmul_tanh, args=(sent, "hooks"))
+        out.register_hook(_log_sum(log, "w0: received out", 3.0))
+        _AUTOGRAD.backward(ctx, [out.sum()])
+        return {"w0": _named(_AUTOGRAD.get_gradients(ctx), {"x": x}),
+                "w1": rpc.rpc_sync("w1", _grads_on_w1, args=(ctx, "hooks")),
+                "log w0": log, "log w1": rpc.rpc_sync("w1", _w1_hook_log)}
+
+
 def _loss_rref_on_w1(x: torch.Tensor, key: str) -> torch.Tensor:
     return torch.tanh(x @ _w(key)).sum()
 
@@ -709,7 +757,7 @@ KNOWN_BUGS: dict[str, str] = {}
 
 
 # Known differences, each pinned by its own test below instead of test_same_as_torch.
-DIFFERENCES = {"shutdown_twice", "dist_parameter_sent"}
+DIFFERENCES = {"shutdown_twice", "dist_parameter_sent", "dist_hooks"}
 
 
 def _params():
@@ -903,3 +951,28 @@ def test_dist_parameter_sent_difference(observed: dict) -> None:
         "w0": [], "w1_shapes": [[2, 3], [3, 2]]}
     assert _value(observed, "nbrpc", "dist_parameter_sent") == {
         "w0": ["x"], "w1_shapes": [[3, 2]]}
+
+
+def test_dist_hooks_difference(observed: dict) -> None:
+    """Every hook runs on the same gradients as under torch, and changes them the
+    same way; each worker's log is torch's, in torch's order on w0. On w1, two
+    hooks of nodes that are ready together run in another order: torch runs the
+    received tensor's hooks last (its RecvRpcBackward node was made before the
+    nodes that used it) and W's AccumulateGrad post hook as W's gradient is
+    captured; nbrpc's stage, one call of PyTorch's engine, runs the received
+    tensor's hooks as its gradient is captured and an AccumulateGrad node's own
+    hooks once the engine returns."""
+    want = _value(observed, "torch", "dist_hooks")
+    got = _value(observed, "nbrpc", "dist_hooks")
+    assert _same({k: got[k] for k in ("w0", "w1", "log w0")},
+                 {k: want[k] for k in ("w0", "w1", "log w0")}), (got, want)
+    assert got["log w1"] != want["log w1"]  # (pinned: the day they agree, merge this test)
+    assert _same(sorted(got["log w1"], key=str), sorted(want["log w1"], key=str)), (got, want)
+    assert [e[0] for e in want["log w1"]] == [
+        "w1: y", "w1: pre mm", "w1: post W", "w1: received x"]
+    assert [e[0] for e in got["log w1"]] == [
+        "w1: y", "w1: pre mm", "w1: received x", "w1: post W"]
+    # the hooks scaled the gradients: x3 (received out), x2 (y), x0.5 (sent)
+    ref = _local_reference()
+    assert _same(got["w1"]["W"], [[6 * v for v in r] for r in ref["W"]]), got
+    assert _same(got["w0"]["x"], [[3 * v for v in r] for r in ref["x"]]), got

@@ -241,12 +241,6 @@ EXCLUDED: dict[str, dict[str, str]] = {
 }
 # Public API, failing: what the run shows.
 KNOWN_FAILING: dict[str, dict[str, str]] = {
-    'DistAutogradTest': {
-        'test_post_hooks':
-            "an AccumulateGrad node's post hooks (node.register_hook) do not run in "
-            "nbrpc's distributed backward: Python cannot read a C++ node's hooks, and "
-            "nbrpc runs nodes one at a time (AssertionError: Scalars are not equal!)",
-    },
     'RpcTest': {
         'test_wait_all_exit_early_builtin':
             'torch.futures.wait_all waits for every future: a future completed from Python '

@@ -1,5 +1,6 @@
 """One worker's part of a distributed backward pass: dependency counting over
-its local autograd graph, and the nodes run one at a time. No I/O.
+its local autograd graph, and its nodes run by PyTorch's engine or one at a
+time. No I/O.
 
 PyTorch's FAST mode, in Python. The entry points of a worker's graph are the
 roots (on the worker that called ``backward``) and every *send function* of
@@ -20,7 +21,11 @@ the gradient its receiver computes. ::
 3. :meth:`LocalPass.run` is one *stage*: nodes whose count is zero run, in
    PyTorch's order (latest created first), their outputs feed the nodes they
    point to, until none is ready. A node therefore runs once per pass with
-   all of its gradients summed, however many messages brought them.
+   all of its gradients summed, however many messages brought them. A stage
+   that leaves no node waiting (counted first, running nothing) is one call
+   of PyTorch's engine (:meth:`LocalPass._run_by_engine`); other stages, and
+   step mode, run the nodes one at a time (:func:`_call`). Both run every
+   hook PyTorch runs (see "hooks" below).
 4. A leaf's gradient accumulates in the context (never in ``.grad``), after
    the leaf's tensor hooks (``leaf.register_hook``), and as PyTorch's
    ``AccumulateGrad`` stores it: the tensor itself, unless it also went to
@@ -41,13 +46,15 @@ import dataclasses
 import heapq
 import itertools
 import math
+import threading
+from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch.autograd.function import BackwardCFunction
-from torch.autograd.graph import Node, get_gradient_edge
+from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
 
 GradList = list  # list[torch.Tensor | None], one per tensor of a message
 
@@ -113,11 +120,15 @@ class LocalPass:
                  accumulate: Callable[[torch.Tensor, torch.Tensor], None],
                  roots: list[torch.Tensor] | None = None, retain_graph: bool = False,
                  names: Callable[[torch.Tensor], str] | None = None,
-                 norms: bool = True) -> None:
+                 norms: bool = True, by_engine: bool | None = None) -> None:
         self.worker, self.retain_graph = worker, retain_graph
         # gradient norms in the records (step mode); a norm of a large gradient
         # costs as much as a small matmul, so normal mode leaves them out
         self._norm = norm if norms else (lambda g: None)
+        # a closed stage runs in PyTorch's engine (_run_by_engine), unless
+        # by_engine is False; step mode (norms) runs nodes one at a time, to
+        # report each
+        self._by_engine = (not norms) if by_engine is None else by_engine
         self._accumulate = accumulate
         self._name = names or (lambda t: f"leaf{tuple(t.shape)}")
         self._sends = {m: [edge(t) for t in ts] for m, ts in sends.items()}
@@ -146,6 +157,7 @@ class LocalPass:
         self._recv_out: dict[int, list] = {}  # msg_id -> grads so far
         self._recv_left: dict[int, int] = {}  # msg_id -> reachable leaves not done
         self._recv_peer: dict[int, int] = {}
+        self._received_last: set[Node] = set()
         for m, (peer, leaves) in recvs.items():
             reach = [i for i, t in enumerate(leaves) if t.requires_grad and edge(t)[0] in seen]
             if reach:
@@ -154,6 +166,9 @@ class LocalPass:
                 self._recv_left[m] = len(reach)
                 for i in reach:
                     self._recv_of[id(leaves[i])] = (m, i)
+                    # run after what is ready beside them, as PyTorch's RecvRpcBackward,
+                    # made before every node that used the received tensors
+                    self._received_last.add(edge(leaves[i])[0])
         self._buffers: dict[Node, dict[int, torch.Tensor | None]] = {}
         self._ready: list[tuple[int, int, Node]] = []
         self._tie = itertools.count()
@@ -200,8 +215,15 @@ class LocalPass:
             buf.setdefault(nr, None)
         left = self.deps[node] - 1
         self.deps[node] = left
-        if left == 0:  # PyTorch's order: the node created last runs first
-            heapq.heappush(self._ready, (-node._sequence_nr(), next(self._tie), node))
+        if left == 0:
+            self._push(node)
+
+    def _push(self, node: Node) -> None:
+        heapq.heappush(self._ready, (self._order(node), next(self._tie), node))
+
+    def _order(self, node: Node) -> int:
+        """PyTorch's order: the node created last runs first."""
+        return 0 if node in self._received_last else -node._sequence_nr()
 
     # -- 3. one stage --------------------------------------------------------------
     def run(self, trigger: str = "roots") -> tuple[StageRecord, list[Outgoing]]:
@@ -223,22 +245,25 @@ class LocalPass:
                 break
             node = max(waiting, key=lambda n: n._sequence_nr())  # upstream first
             self.deps[node] = 0
-            heapq.heappush(self._ready, (-node._sequence_nr(), next(self._tie), node))
+            self._push(node)
             self._drain(record, outbox)
         return self._close(record, outbox)
 
     @torch.no_grad()  # as PyTorch's engine without create_graph
     def _drain(self, record: StageRecord, outbox: list[Outgoing]) -> None:
+        if self._by_engine:
+            order = self._closed_stage()
+            if order is not None:
+                self._run_by_engine(order, record, outbox)
+                return
         while self._ready:
             node = heapq.heappop(self._ready)[2]
             buf = self._buffers.pop(node, {})
             record.nodes.append(type(node).__name__)
             if node.next_functions == () and hasattr(node, "variable"):
-                self._leaf(node.variable, buf.get(0), record, outbox)
+                self._leaf(node, buf.get(0), record, outbox)
                 continue
-            outs = _call(node, buf, self.retain_graph)
-            given = [_fit(g, nxt, nr) if g is not None and nxt is not None else None
-                     for (nxt, nr), g in zip(node.next_functions, outs)]
+            given = _call(node, buf, self.retain_graph)
             ids = [id(g) for g in given if g is not None]
             if len(ids) > 1 and len(set(ids)) < len(ids):  # one tensor to several edges: a leaf copies it
                 self._shared.update(i for i in ids if ids.count(i) > 1)
@@ -246,6 +271,60 @@ class LocalPass:
                 if nxt is not None:
                     self._give(nxt, nr, g)
         self._shared.clear()  # (ids of freed tensors may be reused)
+
+    def _closed_stage(self) -> list[Node] | None:
+        """The nodes this stage would run, in order, if no node is left waiting
+        once they ran (no node this stage feeds also waits for a send function
+        whose gradients have not come); else None. Counts only: runs nothing."""
+        deps, left_of = self.deps, {}
+        ready, order = list(self._ready), []
+        while ready:
+            node = heapq.heappop(ready)[2]
+            order.append(node)
+            for nxt, _ in node.next_functions:
+                if nxt is None:
+                    continue
+                left = left_of.get(nxt, deps[nxt]) - 1
+                left_of[nxt] = left
+                if left == 0:
+                    heapq.heappush(ready, (self._order(nxt), next(self._tie), nxt))
+        if any(left > 0 for left in left_of.values()):
+            return None
+        for node in left_of:
+            deps[node] = 0
+        self._ready.clear()
+        return order
+
+    def _run_by_engine(self, order: list[Node], record: StageRecord,
+                       outbox: list[Outgoing]) -> None:
+        """A closed stage in one call of PyTorch's engine: the gradients held
+        for the stage's nodes (its entries, and what earlier stages gave them)
+        are its roots, the leaves it reaches are captured (after their tensor
+        hooks, which the engine runs), and every node on the way runs with
+        its hooks, as in PyTorch's own backward."""
+        edges, grads, leaves = [], [], []
+        for node in order:
+            _check_not_released(node)
+            record.nodes.append(type(node).__name__)
+            for nr, g in self._buffers.pop(node, {}).items():
+                if g is not None:
+                    edges.append(GradientEdge(node, nr))
+                    grads.append(g)
+            if node.next_functions == () and hasattr(node, "variable"):
+                leaves.append(node)
+        if not leaves:
+            return
+        if edges:
+            got = _ENGINE.run_backward(
+                tuple(edges), tuple(grads), self.retain_graph, False,
+                tuple(GradientEdge(n, 0) for n in leaves), True, False)
+        else:
+            got = (None,) * len(leaves)
+        counts = Counter(id(g) for g in got if g is not None)
+        self._shared.update(i for i, n in counts.items() if n > 1)  # a leaf copies those
+        for node, g in zip(leaves, got):
+            self._leaf(node, g, record, outbox, hooked=True)
+        self._shared.clear()
 
     def _close(self, record: StageRecord,
                outbox: list[Outgoing]) -> tuple[StageRecord, list[Outgoing]]:
@@ -255,19 +334,32 @@ class LocalPass:
         record.blocked = self.blocked()
         return record, outbox
 
-    def _leaf(self, leaf: torch.Tensor, g: torch.Tensor | None, record: StageRecord,
-              outbox: list[Outgoing]) -> None:
+    def _leaf(self, node: Node, g: torch.Tensor | None, record: StageRecord,
+              outbox: list[Outgoing], hooked: bool = False) -> None:
+        """A leaf's gradient ``g`` (its tensor hooks already run if ``hooked``)."""
+        leaf = node.variable
+        # the leaf's tensor hooks (``leaf.register_hook``); a received tensor's
+        # are those of PyTorch's RecvRpcBackward, before its gradient goes back
+        if g is not None and not hooked:
+            for hook in list((leaf._backward_hooks or {}).values()):
+                changed = hook(g)  # a tensor hook returns a new gradient or None
+                if changed is not None:
+                    g = changed
         recv = self._recv_of.get(id(leaf))
         if recv is None:  # 4. a leaf of this worker: into the context
+            # as PyTorch's DistAccumulateGradCaptureHook: the tensor hooks (above),
+            # the node's pre-hooks, the gradient into the context, its post hooks
+            # (called with no outputs and the gradient, even an undefined one)
+            pre, post = _hook_tables(node)
+            if pre:
+                g = _run_hooks(pre, ((g,),))[0][0]
             if g is not None:
-                for hook in list((leaf._backward_hooks or {}).values()):
-                    changed = hook(g)  # a tensor hook returns a new gradient or None
-                    if changed is not None:
-                        g = changed
                 g = _keepable(g, leaf, id(g) in self._shared)
                 self._accumulate(leaf, g)
                 record.gradients.append({"leaf": self._name(leaf),
                                          "shape": list(leaf.shape), "norm": self._norm(g)})
+            if post:
+                _run_hooks(post, ((), (g,)))
             return
         m, i = recv
         self._recv_out[m][i] = g
@@ -280,25 +372,143 @@ class LocalPass:
         return sum(1 for n in self._buffers if self.deps.get(n, 0) > 0)
 
 
-def _call(node: Node, buf: dict[int, Any], retain_graph: bool) -> tuple:
-    """Run one autograd node on its input buffer; one gradient per next edge."""
+def _call(node: Node, buf: dict[int, Any], retain_graph: bool) -> list:
+    """Run one autograd node on its input buffer as PyTorch's engine does
+    (``call_function``): the hooks of the tensors it is the ``grad_fn`` of,
+    its pre-hooks, the node, its outputs fitted to the next nodes' inputs,
+    its post hooks. Returns one gradient per next edge (None where no
+    gradient flows or the edge leads nowhere)."""
+    _check_not_released(node)
+    grads = [buf.get(i) for i in range(len(node._input_metadata))]
+    edges = node.next_functions
+    if all(g is None for g in grads):
+        return [None] * len(edges)  # nothing flows: skip the work
+    grads = _tensor_pre_hooks(node, grads)
+    pre, post = _hook_tables(node)
+    if pre:
+        (grads,) = _run_hooks(pre, (tuple(grads),))
+    if isinstance(node, BackwardCFunction):  # a torch.autograd.Function in Python
+        out = _call_python_function(node, grads)
+    else:
+        out = node(*grads)
+        if not isinstance(out, (tuple, list)):  # a node with one edge returns it bare
+            out = (out,)
+    if not retain_graph:
+        node.metadata["nbrpc_released"] = True
+    out = [_fit(g, nxt, nr) if g is not None and nxt is not None else None
+           for (nxt, nr), g in zip(edges, out)]
+    if post:
+        (out, _) = _run_hooks(post, (tuple(out), tuple(grads)))
+    return [g if nxt is not None else None for (nxt, _), g in zip(edges, out)]
+
+
+def _check_not_released(node: Node) -> None:
+    """A node run one at a time keeps its saved tensors (Python cannot free
+    them), so a second pass without ``retain_graph`` is refused here."""
     if node.metadata.get("nbrpc_released"):
         raise BackwardError(
             f"Trying to backward through the graph a second time ({node.name()} already "
             "ran in a distributed backward pass with retain_graph=False). Specify "
             "retain_graph=True on the first backward to run it again.")
-    n_in = len(node._input_metadata)
-    if not any(buf.get(i) is not None for i in range(n_in)):
-        return (None,) * len(node.next_functions)  # nothing flows: skip the work
-    if isinstance(node, BackwardCFunction):  # a torch.autograd.Function in Python
-        out = _call_python_function(node, buf, n_in)
-    else:
-        out = node(*(buf.get(i) for i in range(n_in)))
-        if not isinstance(out, (tuple, list)):  # a node with one edge returns it bare
-            out = (out,)
-    if not retain_graph:
-        node.metadata["nbrpc_released"] = True
+
+
+# -- hooks ------------------------------------------------------------------------------
+# PyTorch runs a node's hooks in its C++ engine. Python can neither list them
+# nor have that engine run just one node, so for a node run one at a time two
+# ways in remain, each exact:
+# * A node's pre-hooks and post hooks sit in two ordered dicts that every later
+#   registration on the node shares: registering a no-op returns a handle to
+#   the dict, and the no-op is removed at once (PyTorch keeps an empty dict on
+#   the node then, as after any removed hook). Read once per node, cached in
+#   ``node.metadata``.
+# * The hooks of the tensors a node is the ``grad_fn`` of (``t.register_hook``,
+#   ``t.retain_grad()``) are run by PyTorch's engine asked for the gradients
+#   flowing into the node itself: it runs exactly those hooks on them and
+#   executes nothing (``_tensor_pre_hooks``).
+_HOOKS = "nbrpc_hooks"
+_ENGINE = torch.autograd.Variable._execution_engine
+_PROBING = threading.Lock()
+
+
+def _noop(*args: Any) -> None:
+    return None
+
+
+def _hook_tables(node: Node) -> tuple[dict, dict]:
+    """``node``'s pre-hooks and post hooks: PyTorch's own dicts (live)."""
+    tables = node.metadata.get(_HOOKS)
+    if tables is not None:
+        return tables
+    with _PROBING:  # (two passes may share a leaf: one dict per node)
+        tables = node.metadata.get(_HOOKS)
+        if tables is not None:
+            return tables
+        handle = node.register_prehook(_noop)
+        pre = handle.hooks_dict_ref()
+        handle.remove()
+        handle = node.register_hook(_noop)
+        post = handle.hooks_dict_ref()
+        handle.remove()
+        tables = node.metadata[_HOOKS] = (pre, post)
+    return tables
+
+
+def _tensor_pre_hooks(node: Node, grads: list) -> list:
+    """``grads`` for ``node``'s inputs after the hooks of the tensors it made
+    (and their ``retain_grad``), run by PyTorch's engine, which captures the
+    gradients at the node's own inputs and so executes no node."""
+    slots = [i for i, g in enumerate(grads) if g is not None]  # (the rest: None)
+    edges = tuple(GradientEdge(node, i) for i in slots)
+    hooked = _ENGINE.run_backward(edges, tuple(grads[i] for i in slots), True, False,
+                                  edges, True, False)
+    out = [None] * len(grads)
+    for i, g in zip(slots, hooked):
+        out[i] = g
     return out
+
+
+def _run_hooks(table: dict, args: tuple) -> tuple:
+    """Call each hook of ``table`` on ``args`` as PyTorch's ``_call_hooks``: a
+    hook returns None or a replacement of ``args[0]``, a tuple of the same
+    length whose entries keep each gradient's dtype, device and shape."""
+    for hook in list(table.values()):
+        res = hook(*args)
+        if res is None or res is args[0]:
+            continue
+        _check_hook_result(args[0], res, hook)
+        args = (tuple(res), *args[1:])
+    return args
+
+
+def _check_hook_result(prev: tuple, res: Any, hook: Any) -> None:
+    """PyTorch's checks of a hook's replacement gradients, with its messages.
+
+    >>> _check_hook_result((torch.ones(2),), (torch.ones(3),), print)
+    Traceback (most recent call last):
+    ...
+    RuntimeError: hook 'print' has changed the size of value
+    """
+    name = getattr(hook, "__name__", type(hook).__name__)
+    if not isinstance(res, tuple):
+        raise TypeError(f"expected tuple, but hook returned '{type(res).__name__}'")
+    if len(res) != len(prev):
+        raise RuntimeError(f"hook '{name}' has returned an incorrect number of values "
+                           f"(got {len(res)}, but expected {len(prev)})")
+    for old, new in zip(prev, res):
+        if new is None:
+            continue
+        if old is None:
+            raise RuntimeError("can't replace a None gradient with a non-None value")
+        if not isinstance(new, torch.Tensor):
+            raise TypeError(f"expected Variable, but hook returned '{type(new).__name__}'")
+        if new.dtype != old.dtype or new.layout != old.layout:
+            raise RuntimeError(f"hook '{name}' has changed the type of value (was "
+                               f"{old.type()} got {new.type()})")
+        if new.device != old.device:
+            raise RuntimeError(f"hook '{name}' has changed the type of value (was "
+                               f"{old.device} got {new.device})")
+        if new.shape != old.shape:
+            raise RuntimeError(f"hook '{name}' has changed the size of value")
 
 
 def _keepable(g: torch.Tensor, leaf: torch.Tensor, shared: bool) -> torch.Tensor:
@@ -360,17 +570,16 @@ def _fit(g: torch.Tensor, node: Node, nr: int) -> torch.Tensor:
     return g
 
 
-def _call_python_function(node: Any, buf: dict[int, Any], n_in: int) -> tuple:
+def _call_python_function(node: Any, grads: list) -> tuple:
     """A Python autograd.Function's backward: zeros for missing gradients (its
     default), one result per forward argument mapped onto the tensor edges."""
-    grads = []
-    for i in range(n_in):
-        g = buf.get(i)
+    filled = []
+    for i, g in enumerate(grads):
         if g is None:
             meta = node._input_metadata[i]
             g = torch.zeros(meta.shape, dtype=meta.dtype, device=meta.device)
-        grads.append(g)
-    out = node.apply(*grads)
+        filled.append(g)
+    out = node.apply(*filled)
     out = out if isinstance(out, tuple) else (out,)
     wanted = iter(g for g, need in zip(out, node.needs_input_grad) if need)
     return tuple(next(wanted, None) if nxt is not None else None
