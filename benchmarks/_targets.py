@@ -112,3 +112,20 @@ def new_weight(n: int, seed: int) -> Any:
 def matmul_rref(x: Any, w_rref: Any) -> Any:
     """Runs on the owner of ``w_rref``: ``x @ W`` (recorded by distributed autograd)."""
     return x @ w_rref.local_value()
+
+
+def new_mlp(depth: int, width: int) -> Any:
+    """``depth`` layers of ``Linear(width, width)`` and ``tanh``, seeded: the
+    deep graph's model, built on (and owned by) the worker that runs this."""
+    import torch
+
+    torch.manual_seed(depth)
+    layers = []
+    for _ in range(depth):
+        layers += [torch.nn.Linear(width, width), torch.nn.Tanh()]
+    return torch.nn.Sequential(*layers)
+
+
+def mlp_rref(x: Any, mlp_rref: Any) -> Any:
+    """Runs on the owner of ``mlp_rref``: the model on ``x``."""
+    return mlp_rref.local_value()(x)

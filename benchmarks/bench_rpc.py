@@ -58,7 +58,11 @@ What is measured (rank 0 calling rank 1 over loopback):
    repetition's runs, with no RPC agent alive anywhere (TensorPipe's busy-polling
    threads in a torch worker slow local compute on a 2-core machine down by up to
    10x); both columns show that one value. The gradients and the step are
-   checked once after timing.
+   checked once after timing. And a deep graph, where running the autograd
+   nodes is most of the work: the same iteration through a model of
+   ``autograd_depth`` layers of ``Linear(64, 64)`` and ``tanh`` built on rank 1
+   (``y = rpc_sync(PEER, mlp_rref, args=(x, mlp_rref))``, x 32×64), against
+   the same model in one process.
 9. Tracing (nbrpc only; torch has no equivalent, so its column repeats its
    untraced figure and the ratio is traced nbrpc over plain torch): 1. and 2.
    again inside ``nbrpc.debug.trace()``, and the time the block's exit takes to
@@ -155,6 +159,7 @@ class Config:
     autograd_local: tuple[int, int] = (50, 500)  # the one-process reference
     autograd_n: int = 256  # x and W are n×n
     autograd_lr: float = 0.01
+    autograd_depth: int = 24  # the deep graph: Linear(64, 64) + tanh layers, batch 32
     cuda_echo: dict[str, tuple[int, int]] = dataclasses.field(default_factory=lambda: {
         "4 KB": (50, 1000), "64 MB": (5, 50)})
     cuda_step: tuple[int, int] = (20, 200)
@@ -472,6 +477,29 @@ def bench_autograd(rpc: Any, lib: str, cfg: Config, failures: list[str],
     return out
 
 
+def bench_autograd_deep(rpc: Any, lib: str, cfg: Config,
+                        failures: list[str]) -> dict[str, float]:
+    """``cfg.autograd`` iterations of a context, ``y = rpc_sync(PEER, mlp_rref,
+    args=(x, mlp_rref))`` (a model of ``cfg.autograd_depth`` layers on PEER) and
+    ``backward(ctx, [y.sum()])``. Checked once after timing: x's gradient."""
+    dist_autograd = importlib.import_module(AUTOGRAD_MODULES[lib][0])
+    x = torch.randn(32, 64, generator=torch.Generator().manual_seed(0)).requires_grad_()
+    mlp_rref = rpc.remote(PEER, _targets.new_mlp, args=(cfg.autograd_depth, 64))
+    mlp = mlp_rref.to_here()  # built before the clock starts; a copy to check with
+
+    def iteration(check: bool = False) -> dict:
+        with dist_autograd.context() as ctx:
+            y = rpc.rpc_sync(PEER, _targets.mlp_rref, args=(x, mlp_rref))
+            dist_autograd.backward(ctx, [y.sum()])
+            return dist_autograd.get_gradients(ctx) if check else {}
+
+    samples = time_calls(iteration, *cfg.autograd, failures)
+    grads = iteration(check=True)
+    (want,) = torch.autograd.grad(mlp(x).sum(), [x])
+    _check_close("x's gradient through the deep model", grads.get(x), want)
+    return {"autograd_deep_ms": statistics.median(samples) * 1e3}
+
+
 def bench_autograd_local(cfg: Config, failures: list[str]) -> dict[str, float]:
     """The reference: the same two computations in this process, no RPC."""
     n, lr = cfg.autograd_n, cfg.autograd_lr
@@ -489,10 +517,20 @@ def bench_autograd_local(cfg: Config, failures: list[str]) -> dict[str, float]:
         opt.step()
         x.grad = w.grad = None
 
+    mlp = _targets.new_mlp(cfg.autograd_depth, 64)
+    xd = torch.randn(32, 64, generator=gen).requires_grad_()
+
+    def deep() -> None:
+        mlp(xd).sum().backward()
+        mlp.zero_grad(set_to_none=True)
+        xd.grad = None
+
     plain = time_calls(fwd_bwd, *cfg.autograd_local, failures)
     stepped = time_calls(with_step, *cfg.autograd_local, failures)
+    deeper = time_calls(deep, *cfg.autograd_local, failures)
     return {"autograd_local_ms": statistics.median(plain) * 1e3,
-            "autograd_step_local_ms": statistics.median(stepped) * 1e3}
+            "autograd_step_local_ms": statistics.median(stepped) * 1e3,
+            "autograd_deep_local_ms": statistics.median(deeper) * 1e3}
 
 
 Step = Callable[[list[str]], dict[str, float]]
@@ -536,6 +574,8 @@ def measure(rpc: Any, lib: str, cfg: Config, rec: dict[str, Any],
              lambda f: bench_autograd(rpc, lib, cfg, f, optimizer=False)),
             ("dist autograd fwd+bwd+DistributedOptimizer.step", sum(cfg.autograd) + 1,
              lambda f: bench_autograd(rpc, lib, cfg, f, optimizer=True)),
+            ("dist autograd through a deep model", sum(cfg.autograd) + 1,
+             lambda f: bench_autograd_deep(rpc, lib, cfg, f)),
         ]
     if "cuda" in cfg.cases:
         for label, reps in cfg.cuda_echo.items():
@@ -877,6 +917,11 @@ def build_rows(nb: dict[str, Any], tc: dict[str, Any], cfg: Config,
                 *metric("autograd_step_ms"), fmt="{:.2f}"),
             Row("… the same in one process, no RPC (ms/iter)",
                 *both("autograd_step_local_ms"), fmt="{:.2f}", ratio_ok=False),
+            Row(f"dist autograd through {cfg.autograd_depth} layers on the peer "
+                "(Linear(64, 64) + tanh, batch 32) + backward, median (ms/iter)",
+                *metric("autograd_deep_ms"), fmt="{:.2f}"),
+            Row("… the same in one process, no RPC (ms/iter)",
+                *both("autograd_deep_local_ms"), fmt="{:.2f}", ratio_ok=False),
         ]
     if "cuda" in cfg.cases:
         def cuda(key: str) -> tuple[float | None, float | None]:

@@ -84,7 +84,10 @@ class StageRecord:
     blocked: int = 0  # nodes still waiting for gradients after this stage
 
     def as_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """The record's fields (its lists, not copies: a record is not reused;
+        ``dataclasses.asdict`` deep-copied every gradient's entry, which cost
+        more than running a deep graph's nodes)."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
 
 
 def edge(t: torch.Tensor) -> tuple[Node, int]:
