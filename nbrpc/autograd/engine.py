@@ -162,16 +162,15 @@ class LocalPass:
         self._recv_peer: dict[int, int] = {}
         self._received_last: set[Node] = set()
         for m, (peer, leaves) in recvs.items():
-            reach = [i for i, t in enumerate(leaves) if t.requires_grad and edge(t)[0] in seen]
+            reach = [(i, node) for i, t in enumerate(leaves) if t.requires_grad
+                     for node in (edge(t)[0],) if node in seen]
             if reach:
                 self._recv_peer[m] = peer
                 self._recv_out[m] = [None] * len(leaves)
                 self._recv_left[m] = len(reach)
-                for i in reach:
+                for i, node in reach:
                     self._recv_of[id(leaves[i])] = (m, i)
-                    # run after what is ready beside them, as PyTorch's RecvRpcBackward,
-                    # made before every node that used the received tensors
-                    self._received_last.add(edge(leaves[i])[0])
+                    self._received_last.add(node)
         self._buffers: dict[Node, dict[int, torch.Tensor | None]] = {}
         self._ready: list[tuple[int, int, Node]] = []
         self._tie = itertools.count()
@@ -225,7 +224,9 @@ class LocalPass:
         heapq.heappush(self._ready, (self._order(node), next(self._tie), node))
 
     def _order(self, node: Node) -> int:
-        """PyTorch's order: the node created last runs first."""
+        """PyTorch's order: the node created last runs first, a received
+        tensor's last of all (as PyTorch's RecvRpcBackward, made before every
+        node that used the tensor)."""
         return 0 if node in self._received_last else -node._sequence_nr()
 
     # -- 3. one stage --------------------------------------------------------------
@@ -263,7 +264,7 @@ class LocalPass:
             node = heapq.heappop(self._ready)[2]
             buf = self._buffers.pop(node, {})
             record.nodes.append(type(node).__name__)
-            if node.next_functions == () and hasattr(node, "variable"):
+            if _is_leaf(node):
                 self._leaf(node, buf.get(0), record, outbox)
                 continue
             given = _call(node, buf, self.retain_graph)
@@ -313,7 +314,7 @@ class LocalPass:
                 if g is not None:
                     edges.append(GradientEdge(node, nr))
                     grads.append(g)
-            if node.next_functions == () and hasattr(node, "variable"):
+            if _is_leaf(node):
                 leaves.append(node)
         if not leaves:
             return
@@ -355,14 +356,14 @@ class LocalPass:
             # (called with no outputs and the gradient, even an undefined one)
             pre, post = _hook_tables(node)
             if pre:
-                g = _run_hooks(pre, ((g,),))[0][0]
+                (g,) = _run_hooks(pre, (g,))
             if g is not None:
                 g = _keepable(g, leaf, id(g) in self._shared)
                 self._accumulate(leaf, g)
                 record.gradients.append({"leaf": self._name(leaf),
                                          "shape": list(leaf.shape), "norm": self._norm(g)})
             if post:
-                _run_hooks(post, ((), (g,)))
+                _run_hooks(post, (), (g,))
             return
         m, i = recv
         self._recv_out[m][i] = g
@@ -389,7 +390,7 @@ def _call(node: Node, buf: dict[int, Any], retain_graph: bool) -> list:
     grads = _tensor_pre_hooks(node, grads)
     pre, post = _hook_tables(node)
     if pre:
-        (grads,) = _run_hooks(pre, (tuple(grads),))
+        grads = _run_hooks(pre, tuple(grads))
     if isinstance(node, BackwardCFunction):  # a torch.autograd.Function in Python
         out = _call_python_function(node, grads)
     else:
@@ -401,8 +402,13 @@ def _call(node: Node, buf: dict[int, Any], retain_graph: bool) -> list:
     out = [_fit(g, nxt, nr) if g is not None and nxt is not None else None
            for (nxt, nr), g in zip(edges, out)]
     if post:
-        (out, _) = _run_hooks(post, (tuple(out), tuple(grads)))
+        out = _run_hooks(post, tuple(out), tuple(grads))
     return [g if nxt is not None else None for (nxt, _), g in zip(edges, out)]
+
+
+def _is_leaf(node: Node) -> bool:
+    """An ``AccumulateGrad`` node: where a leaf's gradient arrives."""
+    return node.next_functions == () and hasattr(node, "variable")
 
 
 def _check_not_released(node: Node) -> None:
@@ -470,17 +476,18 @@ def _tensor_pre_hooks(node: Node, grads: list) -> list:
     return out
 
 
-def _run_hooks(table: dict, args: tuple) -> tuple:
-    """Call each hook of ``table`` on ``args`` as PyTorch's ``_call_hooks``: a
-    hook returns None or a replacement of ``args[0]``, a tuple of the same
-    length whose entries keep each gradient's dtype, device and shape."""
+def _run_hooks(table: dict, grads: tuple, *rest: tuple) -> tuple:
+    """Call each hook of ``table`` on ``(grads, *rest)`` as PyTorch's
+    ``_call_hooks``, and return ``grads`` as the hooks left them: a hook
+    returns None or a replacement, a tuple of the same length whose entries
+    keep each gradient's dtype, device and shape."""
     for hook in list(table.values()):
-        res = hook(*args)
-        if res is None or res is args[0]:
+        res = hook(grads, *rest)
+        if res is None or res is grads:
             continue
-        _check_hook_result(args[0], res, hook)
-        args = (tuple(res), *args[1:])
-    return args
+        _check_hook_result(grads, res, hook)
+        grads = tuple(res)
+    return grads
 
 
 def _check_hook_result(prev: tuple, res: Any, hook: Any) -> None:
