@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import sys
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -486,3 +487,99 @@ def test_a_stage_where_no_node_waits_is_one_call_of_pytorchs_engine(
     assert len(record.nodes) == 32  # sum, 30 muls, the leaf
     assert calls == ([1] if by_engine else [1] * 31)
     torch.testing.assert_close(got[w], torch.full((3,), 1.5 ** 30))
+
+
+# -- received tensors: the output of a recv node, as PyTorch's RecvRpcBackward -----------
+class _LocalRecv(torch.autograd.Function):
+    """A stand-in for the recv node that local autograd can run: the same
+    inputs, made at the same point; its backward logs what it got."""
+
+    got: list[torch.Tensor] = []
+
+    @staticmethod
+    def forward(ctx, anchor, box):
+        return box[0]
+
+    @staticmethod
+    def backward(ctx, g):
+        _LocalRecv.got.append(g.clone())
+        return None, None
+
+
+def _received_model(log: list, recv: Callable) -> tuple[torch.Tensor, torch.Tensor, list]:
+    """y arrives (``recv``), is changed in place, and feeds a loss with a branch
+    made after it (whose nodes run before y's recv node, as in PyTorch); hooks
+    on y and on its recv node log what they saw."""
+    torch.manual_seed(0)
+    w, w2 = torch.randn(3, requires_grad=True), torch.randn(3, requires_grad=True)
+    y = recv(torch.randn(3, requires_grad=True))
+    node = y.grad_fn
+    y.register_hook(lambda g: log.append(("tensor y", g.sum().item())) or g * 3)
+    node.register_prehook(lambda go: log.append(("pre recv", go[0].sum().item()))
+                          or (go[0] + 1,))
+    node.register_hook(lambda gi, go: log.append(("post recv", len(gi), len(go))))
+    u = w2 * 5
+    u.register_hook(lambda g: log.append(("tensor u", g.sum().item())))
+    y.mul_(2)  # recorded: y is no leaf
+    return node, u.sum() + (y * w).sum(), [w, w2]
+
+
+def test_a_received_tensor_is_a_recv_nodes_output_and_its_hooks_run_as_pytorch_runs_them(
+        by_engine: bool) -> None:
+    """The recv node's tensor hooks, pre-hooks and post hooks run in PyTorch's
+    order (last: the node was made before every node that used the tensor),
+    and the gradient they leave goes back to the sender, as local autograd
+    gives the same node's backward."""
+    from nbrpc.autograd.engine import _ANCHOR, RecvRpcBackward, recv_tensor
+
+    local: list = []
+    _LocalRecv.got = []
+    _, loss, (w, w2) = _received_model(
+        local, lambda t: _LocalRecv.apply(_ANCHOR, (t.detach(),)))
+    loss.backward()
+    mine: list = []
+    node, loss, (w, w2) = _received_model(mine, recv_tensor)
+    assert type(node) is RecvRpcBackward and node.name() == "RecvRpcBackward"
+    got, accumulate = collector()
+    p = LocalPass("w", {}, {7: (1, [node])}, accumulate, roots=[loss])
+    p.start()
+    record, out = p.run()
+    assert mine[:3] == local[:3] and [e[0] for e in mine] == [
+        "tensor u", "tensor y", "pre recv", "post recv"]
+    # post hooks get the node's outputs: RecvRpcBackward has none (the stand-in: one)
+    assert mine[3] == ("post recv", 0, 1) and local[3] == ("post recv", 1, 1)
+    assert record.nodes[-1] == "RecvRpcBackward"
+    assert [(o.peer, o.msg_id) for o in out] == [(1, 7)]
+    torch.testing.assert_close(out[0].grads[0], _LocalRecv.got[0])
+    torch.testing.assert_close(got[w2], torch.full((3,), 5.0))
+
+
+def test_a_received_tensor_refuses_a_local_backward_and_a_parameter_stays_a_leaf() -> None:
+    from nbrpc.autograd.engine import recv_tensor
+
+    y = recv_tensor(torch.ones(2, requires_grad=True))
+    assert not y.is_leaf and y.requires_grad
+    with pytest.raises(RuntimeError, match=r"received over RPC .* nbrpc\.autograd\.backward"):
+        (y * 2).sum().backward()
+    with torch.no_grad():  # recorded whatever the receiving thread's grad mode
+        assert recv_tensor(torch.ones(2, requires_grad=True)).grad_fn is not None
+    p = torch.nn.Parameter(torch.ones(2))
+    assert recv_tensor(p) is p and p.is_leaf  # (an optimizer on the receiver may own it)
+    plain = torch.ones(2)
+    assert recv_tensor(plain) is plain
+
+
+def test_a_sent_tensors_gradient_enters_where_the_tensor_was_when_sent() -> None:
+    """h is sent (msg 1), then changed in place: the gradient for what was sent
+    enters h's graph as it was (PyTorch's send function is made at sending)."""
+    x = torch.tensor([1.0, 2.0], requires_grad=True)
+    h = x * 2
+    sent = get_gradient_edge(h)
+    h.mul_(3)
+    got, accumulate = collector()
+    p = LocalPass("A", {1: [sent]}, {}, accumulate, roots=[h.sum()])
+    p.start()
+    p.run()
+    p.receive(1, [torch.ones(2)])
+    p.run("send 1")
+    torch.testing.assert_close(got[x], torch.full((2,), 2.0 + 6.0))

@@ -143,6 +143,39 @@ def test_the_same_tensor_sent_twice(group, mode: str) -> None:
     assert torch.allclose(gx, xl.grad) and torch.allclose(gb, bl.grad)
 
 
+def scale_in_place_mm(x: torch.Tensor, w: RRef) -> tuple[str, torch.Tensor]:
+    """Changes its argument in place (allowed: a received tensor is no leaf)."""
+    kind = type(x.grad_fn).__name__
+    x.mul_(3.0)
+    return kind, torch.tanh(x @ w.local_value())
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_received_tensors_are_recv_node_outputs_and_may_change_in_place(
+        group, mode: str) -> None:
+    """As in PyTorch: a tensor received in a context (an argument, a result)
+    has a RecvRpcBackward grad_fn, in-place operations on it are recorded, and
+    a tensor changed in place after it was sent gets the gradient of what was
+    sent."""
+    wb = remote("b", make_param, (7, 4, 3))
+    x = make_param(8, 2, 4)
+    with dist_autograd.context() as ctx:
+        h = x * 2
+        kind, y = rpc_sync("b", scale_in_place_mm, (h, wb))
+        h.mul_(5.0)  # after it was sent
+        assert (kind, type(y.grad_fn).__name__, y.is_leaf) == (
+            "RecvRpcBackward", "RecvRpcBackward", False)
+        y.add_(1.0)
+        backward(mode, ctx, [(y * y).sum() + h.sum()])
+        gx = dist_autograd.get_gradients(ctx)[x]
+        gb = rpc_sync("b", grad_here, (ctx, wb))
+    xl, bl = local(x), local(wb.to_here())
+    hl = xl * 2
+    yl = torch.tanh((hl * 3.0) @ bl) + 1.0
+    ((yl * yl).sum() + (hl * 5.0).sum()).backward()
+    assert torch.allclose(gx, xl.grad) and torch.allclose(gb, bl.grad)
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_values_fetched_with_to_here_and_rref_proxies(group, mode: str) -> None:
     wb = remote("b", make_param, (5, 3))

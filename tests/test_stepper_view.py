@@ -307,14 +307,14 @@ def crosses(seg: tuple[float, float, float, float], box: tuple[float, float, flo
 
 def synthetic(workers: int, per_level: int, name: str = "MkldnnRnnLayerBackward0") -> dict:
     """A graph: every worker with ``per_level`` nodes on each of 3 levels, a leaf under
-    each, and a received leaf whose gradient goes back to the previous worker."""
+    each, and a received tensor whose gradient goes back to the previous worker."""
     out = {}
     for r in range(workers):
         nodes = [{"id": i, "name": name, "next": [i + per_level] if i < 2 * per_level else
                   [3 * per_level + i % per_level]} for i in range(3 * per_level)]
         nodes += [{"id": 3 * per_level + j, "name": "AccumulateGrad", "next": [],
                    "leaf": f"leaf[{j}]", "shape": [j + 1]} for j in range(per_level)]
-        nodes.append({"id": 99, "name": "AccumulateGrad", "next": [], "leaf": "recv",
+        nodes.append({"id": 99, "name": "RecvRpcBackward", "next": [], "leaf": "recv",
                       "shape": [2, 3], "recv": 1000 + r})
         out[f"worker{r}"] = {
             "worker": f"worker{r}", "rank": r, "roots": list(range(per_level)) if r == 0 else [],

@@ -622,6 +622,61 @@ def dist_hooks(rpc):
                 "log w0": log, "log w1": rpc.rpc_sync("w1", _w1_hook_log)}
 
 
+_W1_RECV_LOG: list = []  # on w1: what the hooks of dist_received_tensor saw there
+
+
+def _w1_recv_log() -> list:
+    return list(_W1_RECV_LOG)
+
+
+def _received_node_on_w1(x: torch.Tensor, key: str) -> tuple:
+    """On w1: what the received x is, an in-place operation on it, and the
+    order of hooks on x and on a branch that does not use it (its nodes were
+    made after x's recv node, so they run first)."""
+    log = _W1_RECV_LOG
+    seen = {"is_leaf": x.is_leaf, "requires_grad": x.requires_grad,
+            "grad_fn": x.grad_fn.name().rsplit("::", 1)[-1] if x.grad_fn else None}
+    x.register_hook(_log_sum(log, "w1: received x"))
+    u = _w(key) * 5.0
+    u.register_hook(_log_sum(log, "w1: u"))
+    x.mul_(2.0)  # recorded: x is not a leaf
+    y = x @ _w(key)
+    y.register_hook(_log_sum(log, "w1: y"))
+    return seen, u.sum() + y.sum()
+
+
+@_obs
+def dist_received_tensor(rpc):
+    """A tensor received in a context is the output of RecvRpcBackward (no
+    leaf); an in-place operation on it is recorded; the hooks on it run after
+    those of nodes made later, as PyTorch's engine orders them."""
+    x = _x()
+    with _AUTOGRAD.context() as ctx:
+        seen, loss = rpc.rpc_sync("w1", _received_node_on_w1, args=(x, "received"))
+        on_w0 = {"is_leaf": loss.is_leaf,
+                 "grad_fn": loss.grad_fn.name().rsplit("::", 1)[-1]}
+        loss.mul_(1.0)  # in-place on w0's received loss: also recorded
+        _AUTOGRAD.backward(ctx, [loss])
+        return {"w0": _named(_AUTOGRAD.get_gradients(ctx), {"x": x}),
+                "w1": rpc.rpc_sync("w1", _grads_on_w1, args=(ctx, "received")),
+                "received on w1": seen, "received on w0": on_w0,
+                "log w1": rpc.rpc_sync("w1", _w1_recv_log)}
+
+
+@_obs
+def dist_in_place_after_send(rpc):
+    """A tensor changed in place after it was sent: the gradient the receiver
+    computes enters the graph where the tensor was when it left."""
+    x = _x()
+    with _AUTOGRAD.context() as ctx:
+        h = x * 2.0
+        out = rpc.rpc_sync("w1", _matmul_tanh, args=(h, "after_send"))
+        h.mul_(3.0)
+        _AUTOGRAD.backward(ctx, [out.sum() + h.sum()])
+        return {"w0": _named(_AUTOGRAD.get_gradients(ctx), {"x": x}),
+                "w1": rpc.rpc_sync("w1", _grads_on_w1, args=(ctx, "after_send"))}
+
+
 def _loss_rref_on_w1(x: torch.Tensor, key: str) -> torch.Tensor:
     return torch.tanh(x @ _w(key)).sum()
 
@@ -933,8 +988,8 @@ def test_dist_grad_attribute_and_optimizer_pinned(observed: dict, backend: str) 
 
 @pytest.mark.parametrize("backend", ["torch", "nbrpc"])
 def test_dist_backward_from_a_received_scalar(observed: dict, backend: str) -> None:
-    """A received scalar is a valid root (a RecvRpcBackward in torch, a received leaf
-    of the context in nbrpc), and the gradients match local autograd."""
+    """A received scalar (a RecvRpcBackward's output) is a valid root, and the
+    gradients match local autograd."""
     ref = _local_reference()
     got = _value(observed, backend, "dist_backward_from_received_scalar")
     assert _same(got, {"w0": {"x": ref["x"]}, "w1": {"W": ref["W"]}}), got
@@ -955,13 +1010,12 @@ def test_dist_parameter_sent_difference(observed: dict) -> None:
 
 def test_dist_hooks_difference(observed: dict) -> None:
     """Every hook runs on the same gradients as under torch, and changes them the
-    same way; each worker's log is torch's, in torch's order on w0. On w1, two
-    hooks of nodes that are ready together run in another order: torch runs the
-    received tensor's hooks last (its RecvRpcBackward node was made before the
-    nodes that used it) and W's AccumulateGrad post hook as W's gradient is
-    captured; nbrpc's stage, one call of PyTorch's engine, runs the received
-    tensor's hooks as its gradient is captured and an AccumulateGrad node's own
-    hooks once the engine returns."""
+    same way; each worker's log is torch's, in torch's order on w0. On w1, one
+    hook runs later: torch runs W's AccumulateGrad post hook as W's gradient is
+    captured; nbrpc's stage, one call of PyTorch's engine, runs an
+    AccumulateGrad node's own hooks once the engine returns, so after the
+    received tensor's hooks (its RecvRpcBackward node's, last in the engine:
+    made before the nodes that used it)."""
     want = _value(observed, "torch", "dist_hooks")
     got = _value(observed, "nbrpc", "dist_hooks")
     assert _same({k: got[k] for k in ("w0", "w1", "log w0")},

@@ -75,10 +75,9 @@ def _on_send(t: torch.Tensor, wire: Any) -> Any:
     return contexts_of(wire.agent).on_send(t, wire)
 
 
-def _on_recv(t: torch.Tensor, token: Any, wire: Any) -> None:
+def _on_recv(t: torch.Tensor, token: Any, wire: Any) -> torch.Tensor:
     agent = getattr(wire, "agent", None)
-    if agent is not None:
-        contexts_of(agent).on_recv(t, token, wire)
+    return t if agent is None else contexts_of(agent).on_recv(t, token, wire)
 
 
 def _install(agent: Agent) -> None:

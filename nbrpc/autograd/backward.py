@@ -53,7 +53,7 @@ from ..agent.remote_errors import pack_error, rebuild_error
 from ..errors import BackwardStageError, NbrpcError, RpcTimeoutError
 from ..serialize import Placed
 from .context import AutogradContext, Contexts, contexts_of
-from .engine import LocalPass, Outgoing, edge
+from .engine import LocalPass, Outgoing, edge, end_node, next_edges
 from .messages import Abort, Back, Credit, Flush, Grads, GraphQuery
 
 log = logging.getLogger(__name__)
@@ -78,7 +78,7 @@ def check_context_id(context_id: Any, what: str = "backward") -> int:
 
 def check_roots(roots: Any, received: Any = None) -> list[torch.Tensor]:
     """The roots as PyTorch checks them; ``received(t)``: ``t`` arrived in this
-    context (a leaf here, where PyTorch has a RecvRpcBackward; also a valid root).
+    context (also a valid root when it is a leaf: a received Parameter).
 
     >>> check_roots(None)  # doctest: +ELLIPSIS
     Traceback (most recent call last):
@@ -419,10 +419,13 @@ def _device_of(node: Any) -> str:
 def graph_data(agent: Agent, ctx: AutogradContext,
                roots: list[torch.Tensor] | None = None) -> dict[str, Any]:
     """This worker's part of the context's graph: nodes from the roots and
-    every send function, the leaves (received ones marked), sends and recvs."""
+    every send function, the leaves and received tensors (their recv node, or
+    a received Parameter's leaf, marked with the message), sends and recvs."""
     ids: dict[Any, int] = {}
     nodes: list[dict[str, Any]] = []
-    recv_of = {id(t): (m, i) for m, r in ctx.recvs.items() for i, t in enumerate(r.tensors)}
+    recv_of = {end_node(end): (m, t) for m, r in ctx.recvs.items()
+               for t, end in zip(r.tensors, r.ends)}
+    recv_of.pop(None, None)
 
     def visit(node: Any) -> int:
         todo = [node]
@@ -436,25 +439,25 @@ def graph_data(agent: Agent, ctx: AutogradContext,
             if device != "cpu":  # (a graph on the CPU stays as it was drawn before)
                 entry["device"] = device
             nodes.append(entry)
-            var = getattr(n, "variable", None) if n.next_functions == () else None
+            recv = recv_of.get(n)
+            var = recv[1] if recv is not None else (
+                getattr(n, "variable", None) if n.next_functions == () else None)
             if var is not None:
-                recv = recv_of.get(id(var))
                 entry["leaf"] = ctx.leaf_name(var)
                 entry["shape"] = list(var.shape)
                 entry["recv"] = None if recv is None else recv[0]
-            todo += [m for m, _ in n.next_functions if m is not None]
+            todo += [m for m, _ in next_edges(n) if m is not None]
         for n in list(ids):
-            nodes[ids[n]]["next"] = [ids[m] for m, _ in n.next_functions if m in ids]
+            nodes[ids[n]]["next"] = [ids[m] for m, _ in next_edges(n) if m in ids]
         return ids[node]
 
     with ctx.lock:
         root_ids = [visit(edge(r)[0]) for r in roots or ()]
         sends = [{"msg_id": m, "to": agent.peer_name(s.peer),
-                  "enters": [visit(edge(t)[0]) for t in s.tensors]}
+                  "enters": [visit(e.node) for e in s.edges]}
                  for m, s in ctx.sends.items()]
         recvs = [{"msg_id": m, "from": agent.peer_name(r.peer),
-                  "leaves": [ids.get(edge(t)[0]) if t.requires_grad else None
-                             for t in r.tensors]}
+                  "leaves": [ids.get(end_node(end)) for end in r.ends]}
                  for m, r in ctx.recvs.items()]
     return {"worker": agent.name, "rank": agent.rank, "roots": root_ids, "nodes": nodes,
             "sends": sends, "recvs": recvs, "known": sorted(ctx.known)}

@@ -8,8 +8,10 @@ runs the handler inside the same id, so nested calls carry it further.
 Recording happens while messages are pickled: a tensor that requires grad,
 pickled for a message that carries a context id (a request sent inside the
 context, or the reply to one), is added to a *send function* of that
-message on the sender; the receiver adds the rebuilt tensor, a new leaf of
-its graph, to the *recv function* with the same autograd message id. Both
+message on the sender; the receiver adds the rebuilt tensor, made the
+output of a ``RecvRpcBackward`` node of its graph (as in PyTorch; a
+Parameter stays a leaf), to the *recv function* with the same autograd
+message id. Both
 belong to the context with that id on their worker. A message never sent
 (or that the receiver could not read) takes its send function back.
 """
@@ -27,10 +29,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch.autograd.graph import GradientEdge, get_gradient_edge
 
 from ..agent import Agent, MessageContext, Propagator
 from ..errors import WorkerGoneError
-from .engine import LocalPass, StageRecord, norm
+from .engine import LocalPass, RecvRpcBackward, StageRecord, norm, recv_tensor
 from .messages import Release
 
 log = logging.getLogger(__name__)
@@ -48,15 +51,23 @@ class SendFn:
 
     peer: int
     tensors: list[torch.Tensor] = field(default_factory=list)
+    # where each one's gradient enters this graph, taken as it was sent (an
+    # in-place operation on the tensor later moves its grad_fn)
+    edges: list[GradientEdge] = field(default_factory=list)
 
 
 @dataclass
 class RecvFn:
-    """Tensors received in message ``msg_id`` from ``peer``: leaves of this graph."""
+    """Tensors received in message ``msg_id`` from ``peer``: each the output of
+    a recv node of this graph (a Parameter: a leaf)."""
 
     peer: int
     tensors: list[torch.Tensor] = field(default_factory=list)
     origins: list[str] = field(default_factory=list)  # each one's device at its sender
+    # where each one's gradient arrives: its recv node (kept: an in-place
+    # operation on the tensor moves its grad_fn), or the tensor itself (a
+    # Parameter: a leaf; one that does not require grad)
+    ends: list[Any] = field(default_factory=list)
 
 
 class AutogradContext:
@@ -84,13 +95,13 @@ class AutogradContext:
         lp = self.passes.get(pass_id)
         if lp is None:
             lp = self.passes[pass_id] = LocalPass(
-                worker, {m: s.tensors for m, s in self.sends.items()},
-                {m: (r.peer, r.tensors) for m, r in self.recvs.items()}, self.accumulate,
+                worker, {m: s.edges for m, s in self.sends.items()},
+                {m: (r.peer, r.ends) for m, r in self.recvs.items()}, self.accumulate,
                 roots=roots, retain_graph=retain_graph, names=self.leaf_name, norms=norms)
         return lp
 
     def received(self, t: torch.Tensor) -> bool:
-        """``t`` arrived here in a message of this context (a recv function's leaf)."""
+        """``t`` arrived here in a message of this context."""
         with self.lock:
             return any(x is t for r in self.recvs.values() for x in r.tensors)
 
@@ -226,7 +237,9 @@ class Contexts(Propagator):
                 ctx.sends[msg_id] = SendFn(wire.peer)
                 ctx.known.add(wire.peer)
             wire.on_unsent(lambda: self._unsend(ctx, msg_id))
-        ctx.sends[msg_id].tensors.append(t)
+        send = ctx.sends[msg_id]
+        send.tensors.append(t)
+        send.edges.append(get_gradient_edge(t))
         if t.device.type == "cpu":
             return wire.tag, msg_id
         return wire.tag, msg_id, str(t.device)  # its gradient comes back there
@@ -235,12 +248,15 @@ class Contexts(Propagator):
         with ctx.lock:
             ctx.sends.pop(msg_id, None)
 
-    def on_recv(self, t: torch.Tensor, token: tuple, wire: MessageContext) -> None:
+    def on_recv(self, t: torch.Tensor, token: tuple, wire: MessageContext) -> torch.Tensor:
+        """``t``, received in a message of a context, recorded in the recv
+        function of that message: returns it as the output of a recv node."""
         ctx_id, msg_id = token[0], token[1]
         origin = token[2] if len(token) > 2 else "cpu"
         ctx = self.get_or_create(ctx_id)
         if ctx is None:
-            return
+            return t
+        t = recv_tensor(t)
         with ctx.lock:
             recv = ctx.recvs.get(msg_id)
             if recv is None:
@@ -249,6 +265,8 @@ class Contexts(Propagator):
             ctx.leaf_names[id(t)] = f"recv#{msg_id & 0xFFFF}[{len(recv.tensors)}]"
             recv.tensors.append(t)
             recv.origins.append(origin)
+            recv.ends.append(t.grad_fn if type(t.grad_fn) is RecvRpcBackward else t)
+        return t
 
     # -- release -----------------------------------------------------------------------------
     def release(self, ctx_id: int, told: frozenset[int] = frozenset()) -> None:

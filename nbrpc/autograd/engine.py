@@ -30,10 +30,14 @@ the gradient its receiver computes. ::
    the leaf's tensor hooks (``leaf.register_hook``), and as PyTorch's
    ``AccumulateGrad`` stores it: the tensor itself, unless it also went to
    other edges or breaks the leaf's layout (then a copy laid out as the leaf;
-   :func:`_keepable`). A leaf
-   that was *received* belongs to a recv function: once all its leaves that
-   the pass can reach have their gradients, they are returned in the outbox,
-   to be sent to the worker that sent them (step 2 there).
+   :func:`_keepable`).
+5. A tensor *received* in a message of the context is the output of a
+   ``RecvRpcBackward`` node (:class:`RecvRpc`, as in PyTorch: not a leaf, its
+   ``grad_fn``), where the pass ends on this worker; a received
+   ``nn.Parameter`` stays a leaf (the receiver may optimize it) and ends it
+   there. Once every received tensor of a message that the pass can reach has
+   its gradient, they are returned in the outbox, to be sent to the worker
+   that sent them (step 2 there).
 
 A node waiting on a send function that never gets a gradient (a tensor sent
 but not used in the loss) stays blocked; :meth:`LocalPass.flush` runs such
@@ -90,6 +94,59 @@ class StageRecord:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
 
 
+class RecvRpc(torch.autograd.Function):
+    """The recv function of a tensor received in a distributed autograd
+    context: the tensor becomes the output of a ``RecvRpcBackward`` node (as
+    PyTorch's), so it is no leaf, in-place operations on it are recorded, and
+    hooks on it run where PyTorch runs them. The node is never executed: a
+    distributed backward pass stops there and sends the gradient back to the
+    sender (:class:`LocalPass`); a local ``backward()`` reaching it fails.
+    Use :func:`recv_tensor`."""
+
+    @staticmethod
+    def forward(ctx: Any, anchor: torch.Tensor, box: tuple[torch.Tensor]) -> torch.Tensor:
+        # the tensor comes in a tuple: not an input, so the output is it, with
+        # this node as its grad_fn (no view, no copy); ``anchor`` makes the
+        # node record (a Function records only with an input requiring grad)
+        return box[0]
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> None:
+        raise RuntimeError(
+            "this tensor was received over RPC inside a distributed autograd context: its "
+            "gradient goes back to the worker that sent it only in a distributed backward "
+            "pass. Call nbrpc.autograd.backward(context_id, [loss]) (as "
+            "torch.distributed.autograd.backward) instead of loss.backward() or "
+            "torch.autograd.grad(); or .detach() the tensor to use it locally.")
+
+
+RecvRpcBackward = RecvRpc._backward_cls
+_ANCHOR = torch.empty(0, requires_grad=True)  # the recv nodes' one input (never reached)
+
+
+def recv_tensor(t: torch.Tensor) -> torch.Tensor:
+    """``t``, received in a context's message, as the output of a recv node
+    (a Parameter, or a tensor that does not require grad, as it is).
+
+    >>> y = recv_tensor(torch.ones(2, requires_grad=True))
+    >>> type(y.grad_fn).__name__, y.is_leaf
+    ('RecvRpcBackward', False)
+    """
+    if isinstance(t, torch.nn.Parameter) or not t.requires_grad \
+            or torch.is_inference_mode_enabled():
+        return t
+    with torch.enable_grad():  # recorded whatever the receiving thread's mode
+        return RecvRpc.apply(_ANCHOR, (t.detach(),))
+
+
+def end_node(end: Node | torch.Tensor) -> Node | None:
+    """The node where a received tensor's gradient arrives (``end``: its recv
+    node, or the tensor: a leaf's ``AccumulateGrad``), None if it has none."""
+    if not isinstance(end, torch.Tensor):
+        return end
+    return edge(end)[0] if end.requires_grad else None
+
+
 def edge(t: torch.Tensor) -> tuple[Node, int]:
     """Where a gradient for ``t`` enters the graph: (node, input number)."""
     e = get_gradient_edge(t)
@@ -103,8 +160,11 @@ def norm(g: torch.Tensor | None) -> float | None:
 class LocalPass:
     """The state of one backward pass on one worker.
 
-    ``sends``: ``{msg_id: tensors}`` of the context's send functions; ``recvs``:
-    ``{msg_id: (peer, leaves)}``; ``accumulate(leaf, grad)`` adds a leaf's
+    ``sends``: ``{msg_id: tensors}`` of the context's send functions (each a
+    tensor, or the ``GradientEdge`` it had when it was sent); ``recvs``:
+    ``{msg_id: (peer, ends)}``, where the gradient of each tensor received in
+    the message arrives: its recv node, or the tensor (a leaf, or one that does
+    not require grad); ``accumulate(leaf, grad)`` adds a leaf's
     gradient to the context. Not thread-safe: the caller serializes calls.
 
     >>> w = torch.tensor([2.0, 3.0], requires_grad=True)
@@ -118,8 +178,8 @@ class LocalPass:
     tensor([4., 6.])
     """
 
-    def __init__(self, worker: str, sends: dict[int, list[torch.Tensor]],
-                 recvs: dict[int, tuple[int, list[torch.Tensor]]],
+    def __init__(self, worker: str, sends: dict[int, list[torch.Tensor | GradientEdge]],
+                 recvs: dict[int, tuple[int, list[Node | torch.Tensor]]],
                  accumulate: Callable[[torch.Tensor, torch.Tensor], None],
                  roots: list[torch.Tensor] | None = None, retain_graph: bool = False,
                  names: Callable[[torch.Tensor], str] | None = None,
@@ -134,9 +194,11 @@ class LocalPass:
         self._by_engine = (not norms) if by_engine is None else by_engine
         self._accumulate = accumulate
         self._name = names or (lambda t: f"leaf{tuple(t.shape)}")
-        self._sends = {m: [edge(t) for t in ts] for m, ts in sends.items()}
+        self._sends = {m: [edge(t) if isinstance(t, torch.Tensor) else (t[0], t[1])
+                           for t in ts] for m, ts in sends.items()}
         # where each sent tensor lives: its gradient is used there
-        self._send_devices = {m: [t.device for t in ts] for m, ts in sends.items()}
+        self._send_devices = {m: [n._input_metadata[nr].device for n, nr in es]
+                              for m, es in self._sends.items()}
         self._root_tensors = list(roots or ())
         self._roots = [edge(r) for r in self._root_tensors]
         # 1. count the edges into every node reachable from any entry
@@ -148,29 +210,28 @@ class LocalPass:
         todo = list(dict.fromkeys(todo))  # each node's edges are counted once
         seen = set(todo)
         while todo:
-            for nxt, _ in todo.pop().next_functions:
+            for nxt, _ in next_edges(todo.pop()):
                 if nxt is None:
                     continue
                 self.deps[nxt] = self.deps.get(nxt, 0) + 1
                 if nxt not in seen:
                     seen.add(nxt)
                     todo.append(nxt)
-        # received leaves the pass can reach: {id(leaf): (msg_id, index)}
-        self._recv_of: dict[int, tuple[int, int]] = {}
+        # where received tensors the pass can reach end it here (their recv
+        # node, a received Parameter's AccumulateGrad): {node: (msg_id, index)}
+        self._recv_of: dict[Node, tuple[int, int]] = {}
         self._recv_out: dict[int, list] = {}  # msg_id -> grads so far
-        self._recv_left: dict[int, int] = {}  # msg_id -> reachable leaves not done
+        self._recv_left: dict[int, int] = {}  # msg_id -> reachable tensors not done
         self._recv_peer: dict[int, int] = {}
-        self._received_last: set[Node] = set()
-        for m, (peer, leaves) in recvs.items():
-            reach = [(i, node) for i, t in enumerate(leaves) if t.requires_grad
-                     for node in (edge(t)[0],) if node in seen]
+        for m, (peer, ends) in recvs.items():
+            reach = [(i, node) for i, end in enumerate(ends)
+                     for node in (end_node(end),) if node in seen]
             if reach:
                 self._recv_peer[m] = peer
-                self._recv_out[m] = [None] * len(leaves)
+                self._recv_out[m] = [None] * len(ends)
                 self._recv_left[m] = len(reach)
                 for i, node in reach:
-                    self._recv_of[id(leaves[i])] = (m, i)
-                    self._received_last.add(node)
+                    self._recv_of[node] = (m, i)
         self._buffers: dict[Node, dict[int, torch.Tensor | None]] = {}
         self._ready: list[tuple[int, int, Node]] = []
         self._tie = itertools.count()
@@ -223,11 +284,11 @@ class LocalPass:
     def _push(self, node: Node) -> None:
         heapq.heappush(self._ready, (self._order(node), next(self._tie), node))
 
-    def _order(self, node: Node) -> int:
-        """PyTorch's order: the node created last runs first, a received
-        tensor's last of all (as PyTorch's RecvRpcBackward, made before every
-        node that used the tensor)."""
-        return 0 if node in self._received_last else -node._sequence_nr()
+    @staticmethod
+    def _order(node: Node) -> int:
+        """PyTorch's order: the node created last runs first (a recv node,
+        made before every node that used its tensor, after them)."""
+        return -node._sequence_nr()
 
     # -- 3. one stage --------------------------------------------------------------
     def run(self, trigger: str = "roots") -> tuple[StageRecord, list[Outgoing]]:
@@ -264,8 +325,8 @@ class LocalPass:
             node = heapq.heappop(self._ready)[2]
             buf = self._buffers.pop(node, {})
             record.nodes.append(type(node).__name__)
-            if _is_leaf(node):
-                self._leaf(node, buf.get(0), record, outbox)
+            if _is_end(node):
+                self._end(node, buf.get(0), record, outbox)
                 continue
             given = _call(node, buf, self.retain_graph)
             ids = [id(g) for g in given if g is not None]
@@ -285,7 +346,7 @@ class LocalPass:
         while ready:
             node = heapq.heappop(ready)[2]
             order.append(node)
-            for nxt, _ in node.next_functions:
+            for nxt, _ in next_edges(node):
                 if nxt is None:
                     continue
                 left = left_of.get(nxt, deps[nxt]) - 1
@@ -303,9 +364,9 @@ class LocalPass:
                        outbox: list[Outgoing]) -> None:
         """A closed stage in one call of PyTorch's engine: the gradients held
         for the stage's nodes (its entries, and what earlier stages gave them)
-        are its roots, the leaves it reaches are captured (after their tensor
-        hooks, which the engine runs), and every node on the way runs with
-        its hooks, as in PyTorch's own backward."""
+        are its roots, the leaves and recv nodes it reaches are captured (after
+        their tensor hooks, which the engine runs), and every node on the way
+        runs with its hooks, as in PyTorch's own backward."""
         edges, grads, leaves = [], [], []
         for node in order:
             _check_not_released(node)
@@ -314,7 +375,7 @@ class LocalPass:
                 if g is not None:
                     edges.append(GradientEdge(node, nr))
                     grads.append(g)
-            if _is_leaf(node):
+            if _is_end(node):
                 leaves.append(node)
         if not leaves:
             return
@@ -327,7 +388,7 @@ class LocalPass:
         counts = Counter(id(g) for g in got if g is not None)
         self._shared.update(i for i, n in counts.items() if n > 1)  # a leaf copies those
         for node, g in zip(leaves, got):
-            self._leaf(node, g, record, outbox, hooked=True)
+            self._end(node, g, record, outbox, hooked=True)
         self._shared.clear()
 
     def _close(self, record: StageRecord,
@@ -338,38 +399,51 @@ class LocalPass:
         record.blocked = self.blocked()
         return record, outbox
 
-    def _leaf(self, node: Node, g: torch.Tensor | None, record: StageRecord,
-              outbox: list[Outgoing], hooked: bool = False) -> None:
-        """A leaf's gradient ``g`` (its tensor hooks already run if ``hooked``)."""
-        leaf = node.variable
-        # the leaf's tensor hooks (``leaf.register_hook``); a received tensor's
-        # are those of PyTorch's RecvRpcBackward, before its gradient goes back
-        if g is not None and not hooked:
-            for hook in list((leaf._backward_hooks or {}).values()):
-                changed = hook(g)  # a tensor hook returns a new gradient or None
-                if changed is not None:
-                    g = changed
-        recv = self._recv_of.get(id(leaf))
+    def _end(self, node: Node, g: torch.Tensor | None, record: StageRecord,
+             outbox: list[Outgoing], hooked: bool = False) -> None:
+        """Where the pass ends on this worker, a leaf's ``AccumulateGrad`` or a
+        recv node, gets its gradient ``g`` (its tensor hooks already run if
+        ``hooked``)."""
+        recv = self._recv_of.get(node)
         if recv is None:  # 4. a leaf of this worker: into the context
-            # as PyTorch's DistAccumulateGradCaptureHook: the tensor hooks (above),
-            # the node's pre-hooks, the gradient into the context, its post hooks
-            # (called with no outputs and the gradient, even an undefined one)
-            pre, post = _hook_tables(node)
-            if pre:
-                (g,) = _run_hooks(pre, (g,))
-            if g is not None:
-                g = _keepable(g, leaf, id(g) in self._shared)
-                self._accumulate(leaf, g)
-                record.gradients.append({"leaf": self._name(leaf),
-                                         "shape": list(leaf.shape), "norm": self._norm(g)})
-            if post:
-                _run_hooks(post, (), (g,))
+            self._leaf(node, g, record, hooked)
             return
+        # 5. a received tensor: its hooks, as PyTorch's engine runs them on
+        # RecvRpcBackward (a received Parameter's: its tensor hooks), then the
+        # gradient goes back with those of the message's other tensors
+        is_recv = type(node) is RecvRpcBackward
+        if g is not None and not hooked:
+            g = _tensor_pre_hooks(node, [g])[0] if is_recv else _leaf_hooks(node.variable, g)
+        pre, post = _hook_tables(node) if is_recv else ({}, {})
+        if pre:
+            (g,) = _run_hooks(pre, (g,))
         m, i = recv
         self._recv_out[m][i] = g
         self._recv_left[m] -= 1
         if self._recv_left[m] == 0:  # the recv function fires: back to its sender
             outbox.append(Outgoing(self._recv_peer[m], m, self._recv_out.pop(m)))
+        if post:  # (RecvRpcBackward returns no gradients)
+            _run_hooks(post, (), (g,))
+
+    def _leaf(self, node: Node, g: torch.Tensor | None, record: StageRecord,
+              hooked: bool) -> None:
+        """As PyTorch's DistAccumulateGradCaptureHook: the leaf's tensor hooks
+        (unless ``hooked``), the node's pre-hooks, the gradient into the
+        context, its post hooks (called with no outputs and the gradient, even
+        an undefined one)."""
+        leaf = node.variable
+        if g is not None and not hooked:
+            g = _leaf_hooks(leaf, g)
+        pre, post = _hook_tables(node)
+        if pre:
+            (g,) = _run_hooks(pre, (g,))
+        if g is not None:
+            g = _keepable(g, leaf, id(g) in self._shared)
+            self._accumulate(leaf, g)
+            record.gradients.append({"leaf": self._name(leaf),
+                                     "shape": list(leaf.shape), "norm": self._norm(g)})
+        if post:
+            _run_hooks(post, (), (g,))
 
     def blocked(self) -> int:
         """Nodes holding gradients but still waiting for others."""
@@ -409,6 +483,26 @@ def _call(node: Node, buf: dict[int, Any], retain_graph: bool) -> list:
 def _is_leaf(node: Node) -> bool:
     """An ``AccumulateGrad`` node: where a leaf's gradient arrives."""
     return node.next_functions == () and hasattr(node, "variable")
+
+
+def _is_end(node: Node) -> bool:
+    """Where a pass ends on this worker: a leaf, or a received tensor's recv node."""
+    return type(node) is RecvRpcBackward or _is_leaf(node)
+
+
+def next_edges(node: Node) -> tuple:
+    """The edges a pass follows out of ``node``: none out of a recv node (its
+    gradient leaves this worker)."""
+    return () if type(node) is RecvRpcBackward else node.next_functions
+
+
+def _leaf_hooks(leaf: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """A leaf's tensor hooks (``leaf.register_hook``) on its gradient ``g``."""
+    for hook in list((leaf._backward_hooks or {}).values()):
+        changed = hook(g)  # a tensor hook returns a new gradient or None
+        if changed is not None:
+            g = changed
+    return g
 
 
 def _check_not_released(node: Node) -> None:

@@ -4,12 +4,12 @@ One lane per worker holds its part of the graph (``stepper.graph()``): the
 entry points at the top (the roots; a *send* function per message this worker
 sent, where that message's gradients come back), autograd nodes below (named
 without the ``Backward`` suffix they all share; the full name shows on hover),
-leaves on the last rows (received tensors dashed: their gradients go back to
-the sender). Lanes narrow, fewer boxes to a row, until the drawing fits
+leaves on the last rows, then the tensors received from other workers (their
+``RecvRpcBackward`` nodes, dashed: their gradients go back to the sender). Lanes narrow, fewer boxes to a row, until the drawing fits
 ``MAX_WIDTH`` (a 900 px notebook column); past one box to a row it scrolls.
 
 Purple arrows are gradients travelling between workers, labelled with their
-norm once sent. They never cross a lane: each drops out of its received leaf
+norm once sent. They never cross a lane: each drops out of its received tensor
 into a channel under the lanes, rises in the gap beside the lane it goes to,
 and enters its send box from a channel above the lanes; every arrow has a
 track of its own in each channel and gap. The stage that just ran is orange
@@ -213,7 +213,7 @@ def _levels(d: dict[str, Any]) -> tuple[dict[int, int], int]:
     own = [n for n in kept if n in recv and not recv[n]]
     for n in own:
         level[n] = bottom
-    for n in kept:  # received leaves on a row of their own, under everything
+    for n in kept:  # received tensors on a row of their own, under everything
         if recv.get(n):
             level[n] = bottom + bool(own)
     return level, len(depth) - len(kept)
@@ -448,7 +448,7 @@ def _send_box(replay: _Replay, link: dict[str, Any]) -> tuple[str, str] | None:
 
 def _link(link: dict[str, Any], pos: dict, replay: _Replay, xg: float, y_top: float,
           y_bottom: float) -> str:
-    """A gradient's way back, drawn around the lanes: down out of the received leaf to
+    """A gradient's way back, drawn around the lanes: down out of the received tensor to
     the channel under every lane, along it to the gap beside the sender's lane, up that
     gap to the channel above the lanes, along it and down into the send box."""
     target = _send_box(replay, link)
@@ -485,7 +485,7 @@ def _legend(y: float) -> str:
     items = [(LAST, ENTRY_STROKE, "", "ran in the last stage"),
              (EARLIER, ENTRY_STROKE, "", "ran earlier"),
              (NOT_YET, ENTRY_STROKE, "", "not run yet"),
-             (NOT_YET, "#7b1fa2", "4,2", "received leaf")]
+             (NOT_YET, "#7b1fa2", "4,2", "received tensor")]
     out, x = [], PAD
     for fill, stroke, dash, text in items:
         dashes = f' stroke-dasharray="{dash}"' if dash else ""

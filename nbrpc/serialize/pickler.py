@@ -52,14 +52,16 @@ def register_reducer(cls: type, reducer: Callable[[Any], tuple]) -> None:
 class _GradHooks:
     """Set by the autograd layer: ``on_send(tensor, context)`` is called for
     each tensor that requires grad as it is pickled and returns a token (or
-    None); ``on_recv(tensor, token, context)`` gets it back on the receiver."""
+    None); ``on_recv(tensor, token, context)`` gets it back on the receiver and
+    returns the tensor the message delivers (the same values, recorded: a
+    tensor made by the recv function of the message)."""
 
     on_send: Callable[[torch.Tensor, Any], Any] | None = None
-    on_recv: Callable[[torch.Tensor, Any, Any], None] | None = None
+    on_recv: Callable[[torch.Tensor, Any, Any], torch.Tensor] | None = None
 
 
 def register_grad_hooks(on_send: Callable[[torch.Tensor, Any], Any],
-                        on_recv: Callable[[torch.Tensor, Any, Any], None]) -> None:
+                        on_recv: Callable[[torch.Tensor, Any, Any], torch.Tensor]) -> None:
     """Record tensors that require grad as they travel (see :class:`_GradHooks`)."""
     _GradHooks.on_send, _GradHooks.on_recv = on_send, on_recv
 
@@ -177,7 +179,7 @@ def finish_tensor(t: torch.Tensor, requires_grad: bool, is_param: bool, token: A
     elif requires_grad:
         t.requires_grad_(True)
     if token is not None and _GradHooks.on_recv is not None:
-        _GradHooks.on_recv(t, token, _context.get())
+        t = _GradHooks.on_recv(t, token, _context.get())
     return t
 
 
