@@ -9,7 +9,7 @@ from collections.abc import Callable
 
 import pytest
 import torch
-from torch.autograd.graph import get_gradient_edge
+from torch.autograd.graph import GradientEdge, get_gradient_edge
 
 from nbrpc.autograd.backward import check_roots
 from nbrpc.autograd.engine import BackwardError
@@ -506,6 +506,15 @@ class _LocalRecv(torch.autograd.Function):
         return None, None
 
 
+def _received(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as a tensor received in a context: the output of a recv node."""
+    from nbrpc.autograd.engine import recv_tensors
+
+    t = t.detach()
+    recv_tensors([t])
+    return t
+
+
 def _received_model(log: list, recv: Callable) -> tuple[torch.Tensor, torch.Tensor, list]:
     """y arrives (``recv``), is changed in place, and feeds a loss with a branch
     made after it (whose nodes run before y's recv node, as in PyTorch); hooks
@@ -530,7 +539,7 @@ def test_a_received_tensor_is_a_recv_nodes_output_and_its_hooks_run_as_pytorch_r
     order (last: the node was made before every node that used the tensor),
     and the gradient they leave goes back to the sender, as local autograd
     gives the same node's backward."""
-    from nbrpc.autograd.engine import _ANCHOR, RecvRpcBackward, recv_tensor
+    from nbrpc.autograd.engine import _ANCHOR, RecvRpcBackward
 
     local: list = []
     _LocalRecv.got = []
@@ -538,10 +547,10 @@ def test_a_received_tensor_is_a_recv_nodes_output_and_its_hooks_run_as_pytorch_r
         local, lambda t: _LocalRecv.apply(_ANCHOR, (t.detach(),)))
     loss.backward()
     mine: list = []
-    node, loss, (w, w2) = _received_model(mine, recv_tensor)
+    node, loss, (w, w2) = _received_model(mine, _received)
     assert type(node) is RecvRpcBackward and node.name() == "RecvRpcBackward"
     got, accumulate = collector()
-    p = LocalPass("w", {}, {7: (1, [node])}, accumulate, roots=[loss])
+    p = LocalPass("w", {}, {7: (1, [GradientEdge(node, 0)])}, accumulate, roots=[loss])
     p.start()
     record, out = p.run()
     assert mine[:3] == local[:3] and [e[0] for e in mine] == [
@@ -555,18 +564,76 @@ def test_a_received_tensor_is_a_recv_nodes_output_and_its_hooks_run_as_pytorch_r
 
 
 def test_a_received_tensor_refuses_a_local_backward_and_a_parameter_stays_a_leaf() -> None:
-    from nbrpc.autograd.engine import recv_tensor
+    from nbrpc.autograd.engine import gets_recv_node
 
-    y = recv_tensor(torch.ones(2, requires_grad=True))
+    y = _received(torch.ones(2))
     assert not y.is_leaf and y.requires_grad
     with pytest.raises(RuntimeError, match=r"received over RPC .* nbrpc\.autograd\.backward"):
         (y * 2).sum().backward()
     with torch.no_grad():  # recorded whatever the receiving thread's grad mode
-        assert recv_tensor(torch.ones(2, requires_grad=True)).grad_fn is not None
-    p = torch.nn.Parameter(torch.ones(2))
-    assert recv_tensor(p) is p and p.is_leaf  # (an optimizer on the receiver may own it)
-    plain = torch.ones(2)
-    assert recv_tensor(plain) is plain
+        assert _received(torch.ones(2)).grad_fn is not None
+    assert gets_recv_node(torch.ones(2, requires_grad=True))
+    # a Parameter stays a leaf (an optimizer on the receiver may own it)
+    assert not gets_recv_node(torch.nn.Parameter(torch.ones(2)))
+    assert not gets_recv_node(torch.ones(2))
+    with torch.inference_mode():
+        assert not gets_recv_node(torch.ones(2, requires_grad=True))
+
+
+class _LocalRecv2(torch.autograd.Function):
+    """The stand-in for a recv node with two outputs."""
+
+    got: list = []
+
+    @staticmethod
+    def forward(ctx, anchor, box):
+        return box
+
+    @staticmethod
+    def backward(ctx, *grads):
+        _LocalRecv2.got.append(grads)
+        return None, None
+
+
+def test_the_tensors_of_one_message_share_one_recv_node(by_engine: bool) -> None:
+    """As PyTorch's RecvRpcBackward: one node for a message's tensors; it runs
+    once, its hooks see every gradient of the message (zeros where PyTorch's
+    engine fills in an unused output: None here, and no gradient goes back
+    for it), and the gradients go back together."""
+    from nbrpc.autograd.engine import _ANCHOR, recv_tensors
+
+    def model(log, recv):
+        torch.manual_seed(1)
+        w = torch.randn(3, requires_grad=True)
+        a, b, unused = recv([torch.randn(3), torch.randn(3), torch.randn(2)])
+        node = a.grad_fn
+        node.register_prehook(lambda go: log.append(("pre", [g is not None for g in go])))
+        return node, (a * w).sum() + (b * b).sum() + (a * b).sum()
+
+    local: list = []
+    _, loss = model(local, lambda ts: _LocalRecv2.apply(_ANCHOR, tuple(ts)))
+    _LocalRecv2.got = []
+    loss.backward()
+    mine: list = []
+
+    def recv(ts):
+        recv_tensors(ts)
+        return ts
+    node, loss = model(mine, recv)
+    assert len(node._input_metadata) == 3
+    got, accumulate = collector()
+    ends = [GradientEdge(node, i) for i in range(3)]
+    p = LocalPass("w", {}, {7: (1, ends)}, accumulate, roots=[loss])
+    p.start()
+    record, out = p.run()
+    assert record.nodes.count("RecvRpcBackward") == 1
+    assert mine == [("pre", [True, True, False])] and local[0][1][:2] == [True, True]
+    assert [(o.peer, o.msg_id) for o in out] == [(1, 7)]
+    ga, gb, gu = out[0].grads
+    want = _LocalRecv2.got[0]
+    torch.testing.assert_close(ga, want[0])
+    torch.testing.assert_close(gb, want[1])
+    assert gu is None
 
 
 def test_a_sent_tensors_gradient_enters_where_the_tensor_was_when_sent() -> None:
@@ -583,3 +650,33 @@ def test_a_sent_tensors_gradient_enters_where_the_tensor_was_when_sent() -> None
     p.receive(1, [torch.ones(2)])
     p.run("send 1")
     torch.testing.assert_close(got[x], torch.full((2,), 2.0 + 6.0))
+
+
+def test_the_graph_shows_a_messages_recv_node_once() -> None:
+    """The stepper's graph data: a message's received tensors are one node,
+    marked with the message and how many tensors it brought (drawn
+    "recv m1 2 tensors"); a received tensor alone shows its shape."""
+    from nbrpc.autograd.backward import graph_data
+    from nbrpc.autograd.context import AutogradContext, RecvFn
+    from nbrpc.autograd.engine import recv_tensors
+    from nbrpc.jupyter.stepper_graph import _node_label, _Replay
+
+    class Agent:
+        name, rank = "w0", 0
+
+        def peer_name(self, rank: int) -> str:
+            return f"w{rank}"
+
+    ctx = AutogradContext(1)
+    a, b, c = torch.ones(2), torch.ones(3), torch.ones(4)
+    node = recv_tensors([a, b])
+    ctx.recvs[5] = RecvFn(1, [a, b], ["cpu", "cpu"], [GradientEdge(node, 0), GradientEdge(node, 1)])
+    alone = recv_tensors([c])
+    ctx.recvs[6] = RecvFn(1, [c], ["cpu"], [GradientEdge(alone, 0)])
+    d = graph_data(Agent(), ctx, roots=[(a * b.sum() + c[:2]).sum()])
+    recvs = sorted((n for n in d["nodes"] if n.get("recv") is not None), key=lambda n: n["recv"])
+    assert [(n["name"], n["recv"], n.get("tensors"), n["next"]) for n in recvs] == [
+        ("RecvRpcBackward", 5, 2, []), ("RecvRpcBackward", 6, None, [])]
+    assert [r["leaves"] for r in d["recvs"]] == [[recvs[0]["id"]] * 2, [recvs[1]["id"]]]
+    replay = _Replay({"workers": {"w0": d}}, [])
+    assert [_node_label(n, replay).split(" ", 2)[2] for n in recvs] == ["2 tensors", "[4]"]

@@ -642,20 +642,23 @@ def _received_node_on_w1(x: torch.Tensor, key: str) -> tuple:
     x.mul_(2.0)  # recorded: x is not a leaf
     y = x @ _w(key)
     y.register_hook(_log_sum(log, "w1: y"))
-    return seen, u.sum() + y.sum()
+    return seen, u.sum(), y.sum()
 
 
 @_obs
 def dist_received_tensor(rpc):
-    """A tensor received in a context is the output of RecvRpcBackward (no
-    leaf); an in-place operation on it is recorded; the hooks on it run after
-    those of nodes made later, as PyTorch's engine orders them."""
+    """The tensors received in a message inside a context are the outputs of
+    one RecvRpcBackward node (no leaves); an in-place operation on one is
+    recorded; the hooks on one run after those of nodes made later, as
+    PyTorch's engine orders them."""
     x = _x()
     with _AUTOGRAD.context() as ctx:
-        seen, loss = rpc.rpc_sync("w1", _received_node_on_w1, args=(x, "received"))
-        on_w0 = {"is_leaf": loss.is_leaf,
-                 "grad_fn": loss.grad_fn.name().rsplit("::", 1)[-1]}
-        loss.mul_(1.0)  # in-place on w0's received loss: also recorded
+        seen, a, b = rpc.rpc_sync("w1", _received_node_on_w1, args=(x, "received"))
+        on_w0 = {"is_leaf": a.is_leaf, "grad_fn": a.grad_fn.name().rsplit("::", 1)[-1],
+                 "one node for the message": a.grad_fn is b.grad_fn,
+                 "output_nr": [a.output_nr, b.output_nr]}
+        a.mul_(2.0)  # in-place on a received tensor on w0: also recorded
+        loss = a + b
         _AUTOGRAD.backward(ctx, [loss])
         return {"w0": _named(_AUTOGRAD.get_gradients(ctx), {"x": x}),
                 "w1": rpc.rpc_sync("w1", _grads_on_w1, args=(ctx, "received")),

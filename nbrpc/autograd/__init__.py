@@ -80,6 +80,12 @@ def _on_recv(t: torch.Tensor, token: Any, wire: Any) -> torch.Tensor:
     return t if agent is None else contexts_of(agent).on_recv(t, token, wire)
 
 
+def _on_loaded(wire: Any) -> None:
+    agent = getattr(wire, "agent", None)
+    if agent is not None and getattr(wire, "stash", None):
+        contexts_of(agent).on_loaded(wire)
+
+
 def _install(agent: Agent) -> None:
     contexts = Contexts(agent)
     agent.ext["autograd"] = contexts
@@ -91,6 +97,6 @@ def _install(agent: Agent) -> None:
     agent.snapshot_sections["autograd"] = contexts.snapshot
 
 
-register_grad_hooks(_on_send, _on_recv)
+register_grad_hooks(_on_send, _on_recv, _on_loaded)
 register_extension(_install)
 

@@ -53,7 +53,7 @@ from ..agent.remote_errors import pack_error, rebuild_error
 from ..errors import BackwardStageError, NbrpcError, RpcTimeoutError
 from ..serialize import Placed
 from .context import AutogradContext, Contexts, contexts_of
-from .engine import LocalPass, Outgoing, edge, end_node, next_edges
+from .engine import LocalPass, Outgoing, edge, end_point, next_edges
 from .messages import Abort, Back, Credit, Flush, Grads, GraphQuery
 
 log = logging.getLogger(__name__)
@@ -423,9 +423,12 @@ def graph_data(agent: Agent, ctx: AutogradContext,
     a received Parameter's leaf, marked with the message), sends and recvs."""
     ids: dict[Any, int] = {}
     nodes: list[dict[str, Any]] = []
-    recv_of = {end_node(end): (m, t) for m, r in ctx.recvs.items()
-               for t, end in zip(r.tensors, r.ends)}
-    recv_of.pop(None, None)
+    recv_of: dict[Any, tuple[int, list[torch.Tensor]]] = {}  # end node -> (msg, tensors)
+    for m, r in ctx.recvs.items():
+        for t, end in zip(r.tensors, r.ends):
+            point = end_point(end)
+            if point is not None:
+                recv_of.setdefault(point[0], (m, []))[1].append(t)
 
     def visit(node: Any) -> int:
         todo = [node]
@@ -440,12 +443,14 @@ def graph_data(agent: Agent, ctx: AutogradContext,
                 entry["device"] = device
             nodes.append(entry)
             recv = recv_of.get(n)
-            var = recv[1] if recv is not None else (
+            var = recv[1][0] if recv is not None else (
                 getattr(n, "variable", None) if n.next_functions == () else None)
             if var is not None:
                 entry["leaf"] = ctx.leaf_name(var)
                 entry["shape"] = list(var.shape)
                 entry["recv"] = None if recv is None else recv[0]
+                if recv is not None and len(recv[1]) > 1:
+                    entry["tensors"] = len(recv[1])  # (the message's; shape: the first's)
             todo += [m for m, _ in next_edges(n) if m is not None]
         for n in list(ids):
             nodes[ids[n]]["next"] = [ids[m] for m, _ in next_edges(n) if m in ids]
@@ -457,7 +462,8 @@ def graph_data(agent: Agent, ctx: AutogradContext,
                   "enters": [visit(e.node) for e in s.edges]}
                  for m, s in ctx.sends.items()]
         recvs = [{"msg_id": m, "from": agent.peer_name(r.peer),
-                  "leaves": [ids.get(end_node(end)) for end in r.ends]}
+                  "leaves": [ids.get(p[0]) if p is not None else None
+                             for p in map(end_point, r.ends)]}
                  for m, r in ctx.recvs.items()]
     return {"worker": agent.name, "rank": agent.rank, "roots": root_ids, "nodes": nodes,
             "sends": sends, "recvs": recvs, "known": sorted(ctx.known)}

@@ -33,7 +33,7 @@ from torch.autograd.graph import GradientEdge, get_gradient_edge
 
 from ..agent import Agent, MessageContext, Propagator
 from ..errors import WorkerGoneError
-from .engine import LocalPass, RecvRpcBackward, StageRecord, norm, recv_tensor
+from .engine import LocalPass, StageRecord, gets_recv_node, norm, recv_tensors
 from .messages import Release
 
 log = logging.getLogger(__name__)
@@ -41,6 +41,7 @@ log = logging.getLogger(__name__)
 RANK_SHIFT = 48  # context and message ids: rank << 48 | counter
 MAX_STAGE_RECORDS = 256
 MAX_TOMBSTONES = 65_536
+_WAITING = "autograd_recv"  # (a message's stash) its tensors that wait for a recv node
 
 _thread = threading.local()  # .active: (registry, context id) of this thread, or None
 
@@ -58,16 +59,16 @@ class SendFn:
 
 @dataclass
 class RecvFn:
-    """Tensors received in message ``msg_id`` from ``peer``: each the output of
-    a recv node of this graph (a Parameter: a leaf)."""
+    """Tensors received in message ``msg_id`` from ``peer``: the outputs of its
+    recv node in this graph (a Parameter: a leaf)."""
 
     peer: int
     tensors: list[torch.Tensor] = field(default_factory=list)
     origins: list[str] = field(default_factory=list)  # each one's device at its sender
-    # where each one's gradient arrives: its recv node (kept: an in-place
-    # operation on the tensor moves its grad_fn), or the tensor itself (a
-    # Parameter: a leaf; one that does not require grad)
-    ends: list[Any] = field(default_factory=list)
+    # where each one's gradient arrives: its recv node's input (kept: an
+    # in-place operation on the tensor moves its grad_fn), or the tensor itself
+    # (a Parameter: a leaf; one that does not require grad)
+    ends: list[GradientEdge | torch.Tensor] = field(default_factory=list)
 
 
 class AutogradContext:
@@ -250,23 +251,52 @@ class Contexts(Propagator):
 
     def on_recv(self, t: torch.Tensor, token: tuple, wire: MessageContext) -> torch.Tensor:
         """``t``, received in a message of a context, recorded in the recv
-        function of that message: returns it as the output of a recv node."""
+        function of that message. A tensor that will be an output of the
+        message's recv node is returned detached, and the node is made once
+        the whole message is read (:meth:`on_loaded`)."""
         ctx_id, msg_id = token[0], token[1]
         origin = token[2] if len(token) > 2 else "cpu"
         ctx = self.get_or_create(ctx_id)
         if ctx is None:
             return t
-        t = recv_tensor(t)
+        waits = gets_recv_node(t)
+        if waits:
+            t = t.detach()
         with ctx.lock:
             recv = ctx.recvs.get(msg_id)
             if recv is None:
                 recv = ctx.recvs[msg_id] = RecvFn(wire.peer)
                 ctx.known.add(wire.peer)
-            ctx.leaf_names[id(t)] = f"recv#{msg_id & 0xFFFF}[{len(recv.tensors)}]"
+            i = len(recv.tensors)
+            ctx.leaf_names[id(t)] = f"recv#{msg_id & 0xFFFF}[{i}]"
             recv.tensors.append(t)
             recv.origins.append(origin)
-            recv.ends.append(t.grad_fn if type(t.grad_fn) is RecvRpcBackward else t)
+            recv.ends.append(t)  # (a tensor waiting for its node: no gradient yet)
+        if waits:
+            stash = wire.stash if wire.stash is not None else {}
+            wire.stash = stash
+            stash.setdefault(_WAITING, []).append((ctx, msg_id, i, t))
         return t
+
+    @staticmethod
+    def on_loaded(wire: MessageContext) -> None:
+        """The message is read: its tensors that wait become the outputs of
+        its recv node (one per message and context, as PyTorch's)."""
+        waiting = wire.stash.pop(_WAITING, None) if wire.stash else None
+        if not waiting:
+            return
+        groups: dict[tuple[int, int], list] = {}
+        for ctx, msg_id, i, t in waiting:
+            groups.setdefault((id(ctx), msg_id), []).append((ctx, msg_id, i, t))
+        for items in groups.values():
+            node = recv_tensors([t for *_, t in items])
+            ctx, msg_id = items[0][0], items[0][1]
+            with ctx.lock:
+                recv = ctx.recvs.get(msg_id)
+                if recv is None:  # (released meanwhile)
+                    continue
+                for nr, (_, _, i, _) in enumerate(items):
+                    recv.ends[i] = GradientEdge(node, nr)
 
     # -- release -----------------------------------------------------------------------------
     def release(self, ctx_id: int, told: frozenset[int] = frozenset()) -> None:

@@ -31,9 +31,9 @@ the gradient its receiver computes. ::
    ``AccumulateGrad`` stores it: the tensor itself, unless it also went to
    other edges or breaks the leaf's layout (then a copy laid out as the leaf;
    :func:`_keepable`).
-5. A tensor *received* in a message of the context is the output of a
-   ``RecvRpcBackward`` node (:class:`RecvRpc`, as in PyTorch: not a leaf, its
-   ``grad_fn``), where the pass ends on this worker; a received
+5. The tensors *received* in a message of the context are the outputs of
+   one ``RecvRpcBackward`` node (:class:`RecvRpc`, as in PyTorch: not leaves,
+   their ``grad_fn``), where the pass ends on this worker; a received
    ``nn.Parameter`` stays a leaf (the receiver may optimize it) and ends it
    there. Once every received tensor of a message that the pass can reach has
    its gradient, they are returned in the outbox, to be sent to the worker
@@ -95,23 +95,25 @@ class StageRecord:
 
 
 class RecvRpc(torch.autograd.Function):
-    """The recv function of a tensor received in a distributed autograd
-    context: the tensor becomes the output of a ``RecvRpcBackward`` node (as
-    PyTorch's), so it is no leaf, in-place operations on it are recorded, and
-    hooks on it run where PyTorch runs them. The node is never executed: a
-    distributed backward pass stops there and sends the gradient back to the
-    sender (:class:`LocalPass`); a local ``backward()`` reaching it fails.
-    Use :func:`recv_tensor`."""
+    """The recv function of a message received in a distributed autograd
+    context: its tensors become the outputs of one ``RecvRpcBackward`` node
+    (as PyTorch's), so they are no leaves, in-place operations on them are
+    recorded, and hooks on them run where PyTorch runs them. The node is never
+    executed: a distributed backward pass stops there and sends the gradients
+    back to the sender (:class:`LocalPass`); a local ``backward()`` reaching it
+    fails. Use :func:`recv_tensors`."""
 
     @staticmethod
-    def forward(ctx: Any, anchor: torch.Tensor, box: tuple[torch.Tensor]) -> torch.Tensor:
-        # the tensor comes in a tuple: not an input, so the output is it, with
-        # this node as its grad_fn (no view, no copy); ``anchor`` makes the
-        # node record (a Function records only with an input requiring grad)
-        return box[0]
+    def forward(ctx: Any, anchor: torch.Tensor,
+                box: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        # the tensors come in a tuple: not inputs, so the outputs are they,
+        # with this node as their grad_fn (no views, no copies); ``anchor``
+        # makes the node record (a Function records only with an input that
+        # requires grad)
+        return box
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> None:
+    def backward(ctx: Any, *grads: torch.Tensor) -> None:
         raise RuntimeError(
             "this tensor was received over RPC inside a distributed autograd context: its "
             "gradient goes back to the worker that sent it only in a distributed backward "
@@ -124,27 +126,36 @@ RecvRpcBackward = RecvRpc._backward_cls
 _ANCHOR = torch.empty(0, requires_grad=True)  # the recv nodes' one input (never reached)
 
 
-def recv_tensor(t: torch.Tensor) -> torch.Tensor:
-    """``t``, received in a context's message, as the output of a recv node
-    (a Parameter, or a tensor that does not require grad, as it is).
+def gets_recv_node(t: torch.Tensor) -> bool:
+    """Whether ``t``, received in a context's message and requiring grad, is
+    to be a recv node's output: not a Parameter (it stays a leaf), nor made in
+    inference mode (no autograd there)."""
+    return (t.requires_grad and not isinstance(t, torch.nn.Parameter)
+            and not torch.is_inference_mode_enabled())
 
-    >>> y = recv_tensor(torch.ones(2, requires_grad=True))
-    >>> type(y.grad_fn).__name__, y.is_leaf
-    ('RecvRpcBackward', False)
+
+def recv_tensors(ts: list[torch.Tensor]) -> Node:
+    """Make ``ts`` (received in one message, none requiring grad) the outputs
+    of one recv node, in place: the same tensor objects, ``ts[i]`` its output
+    ``i``. Returns the node.
+
+    >>> a, b = torch.ones(2), torch.zeros(3)
+    >>> node = recv_tensors([a, b])
+    >>> node.name(), a.grad_fn is b.grad_fn is node, (a.output_nr, b.output_nr), a.is_leaf
+    ('RecvRpcBackward', True, (0, 1), False)
     """
-    if isinstance(t, torch.nn.Parameter) or not t.requires_grad \
-            or torch.is_inference_mode_enabled():
-        return t
     with torch.enable_grad():  # recorded whatever the receiving thread's mode
-        return RecvRpc.apply(_ANCHOR, (t.detach(),))
+        out = RecvRpc.apply(_ANCHOR, tuple(ts))
+    return out[0].grad_fn
 
 
-def end_node(end: Node | torch.Tensor) -> Node | None:
-    """The node where a received tensor's gradient arrives (``end``: its recv
-    node, or the tensor: a leaf's ``AccumulateGrad``), None if it has none."""
+def end_point(end: GradientEdge | torch.Tensor) -> tuple[Node, int] | None:
+    """Where a received tensor's gradient arrives: ``end`` is its recv node's
+    input (a ``GradientEdge``), or the tensor itself (a leaf: its
+    ``AccumulateGrad``; None if it does not require grad)."""
     if not isinstance(end, torch.Tensor):
-        return end
-    return edge(end)[0] if end.requires_grad else None
+        return end[0], end[1]
+    return edge(end) if end.requires_grad else None
 
 
 def edge(t: torch.Tensor) -> tuple[Node, int]:
@@ -163,8 +174,9 @@ class LocalPass:
     ``sends``: ``{msg_id: tensors}`` of the context's send functions (each a
     tensor, or the ``GradientEdge`` it had when it was sent); ``recvs``:
     ``{msg_id: (peer, ends)}``, where the gradient of each tensor received in
-    the message arrives: its recv node, or the tensor (a leaf, or one that does
-    not require grad); ``accumulate(leaf, grad)`` adds a leaf's
+    the message arrives: its recv node's input (a ``GradientEdge``), or the
+    tensor (a leaf, or one that does not require grad); ``accumulate(leaf,
+    grad)`` adds a leaf's
     gradient to the context. Not thread-safe: the caller serializes calls.
 
     >>> w = torch.tensor([2.0, 3.0], requires_grad=True)
@@ -179,7 +191,7 @@ class LocalPass:
     """
 
     def __init__(self, worker: str, sends: dict[int, list[torch.Tensor | GradientEdge]],
-                 recvs: dict[int, tuple[int, list[Node | torch.Tensor]]],
+                 recvs: dict[int, tuple[int, list[GradientEdge | torch.Tensor]]],
                  accumulate: Callable[[torch.Tensor, torch.Tensor], None],
                  roots: list[torch.Tensor] | None = None, retain_graph: bool = False,
                  names: Callable[[torch.Tensor], str] | None = None,
@@ -218,20 +230,21 @@ class LocalPass:
                     seen.add(nxt)
                     todo.append(nxt)
         # where received tensors the pass can reach end it here (their recv
-        # node, a received Parameter's AccumulateGrad): {node: (msg_id, index)}
-        self._recv_of: dict[Node, tuple[int, int]] = {}
+        # node's inputs, a received Parameter's AccumulateGrad):
+        # {node: [(input number, msg_id, index in the message)]}
+        self._recv_of: dict[Node, list[tuple[int, int, int]]] = {}
         self._recv_out: dict[int, list] = {}  # msg_id -> grads so far
         self._recv_left: dict[int, int] = {}  # msg_id -> reachable tensors not done
         self._recv_peer: dict[int, int] = {}
         for m, (peer, ends) in recvs.items():
-            reach = [(i, node) for i, end in enumerate(ends)
-                     for node in (end_node(end),) if node in seen]
+            reach = [(i, p) for i, end in enumerate(ends)
+                     for p in (end_point(end),) if p is not None and p[0] in seen]
             if reach:
                 self._recv_peer[m] = peer
                 self._recv_out[m] = [None] * len(ends)
                 self._recv_left[m] = len(reach)
-                for i, node in reach:
-                    self._recv_of[node] = (m, i)
+                for i, (node, nr) in reach:
+                    self._recv_of.setdefault(node, []).append((nr, m, i))
         self._buffers: dict[Node, dict[int, torch.Tensor | None]] = {}
         self._ready: list[tuple[int, int, Node]] = []
         self._tie = itertools.count()
@@ -326,7 +339,7 @@ class LocalPass:
             buf = self._buffers.pop(node, {})
             record.nodes.append(type(node).__name__)
             if _is_end(node):
-                self._end(node, buf.get(0), record, outbox)
+                self._end(node, buf, record, outbox)
                 continue
             given = _call(node, buf, self.retain_graph)
             ids = [id(g) for g in given if g is not None]
@@ -367,7 +380,7 @@ class LocalPass:
         are its roots, the leaves and recv nodes it reaches are captured (after
         their tensor hooks, which the engine runs), and every node on the way
         runs with its hooks, as in PyTorch's own backward."""
-        edges, grads, leaves = [], [], []
+        edges, grads, ends = [], [], []
         for node in order:
             _check_not_released(node)
             record.nodes.append(type(node).__name__)
@@ -376,19 +389,23 @@ class LocalPass:
                     edges.append(GradientEdge(node, nr))
                     grads.append(g)
             if _is_end(node):
-                leaves.append(node)
-        if not leaves:
+                ends.append(node)
+        if not ends:
             return
+        captures = tuple(GradientEdge(n, nr) for n in ends
+                         for nr in range(len(n._input_metadata)))
         if edges:
-            got = _ENGINE.run_backward(
-                tuple(edges), tuple(grads), self.retain_graph, False,
-                tuple(GradientEdge(n, 0) for n in leaves), True, False)
+            got = _ENGINE.run_backward(tuple(edges), tuple(grads), self.retain_graph, False,
+                                       captures, True, False)
         else:
-            got = (None,) * len(leaves)
+            got = (None,) * len(captures)
         counts = Counter(id(g) for g in got if g is not None)
         self._shared.update(i for i, n in counts.items() if n > 1)  # a leaf copies those
-        for node, g in zip(leaves, got):
-            self._end(node, g, record, outbox, hooked=True)
+        at = 0
+        for node in ends:
+            n = len(node._input_metadata)
+            self._end(node, dict(enumerate(got[at:at + n])), record, outbox, hooked=True)
+            at += n
         self._shared.clear()
 
     def _close(self, record: StageRecord,
@@ -399,31 +416,33 @@ class LocalPass:
         record.blocked = self.blocked()
         return record, outbox
 
-    def _end(self, node: Node, g: torch.Tensor | None, record: StageRecord,
+    def _end(self, node: Node, buf: dict[int, torch.Tensor | None], record: StageRecord,
              outbox: list[Outgoing], hooked: bool = False) -> None:
         """Where the pass ends on this worker, a leaf's ``AccumulateGrad`` or a
-        recv node, gets its gradient ``g`` (its tensor hooks already run if
-        ``hooked``)."""
-        recv = self._recv_of.get(node)
-        if recv is None:  # 4. a leaf of this worker: into the context
-            self._leaf(node, g, record, hooked)
+        recv node, gets its gradients ``buf`` (by input; their tensor hooks
+        already run if ``hooked``)."""
+        points = self._recv_of.get(node)
+        if points is None:  # 4. a leaf of this worker: into the context
+            self._leaf(node, buf.get(0), record, hooked)
             return
-        # 5. a received tensor: its hooks, as PyTorch's engine runs them on
+        # 5. received tensors: their hooks, as PyTorch's engine runs them on
         # RecvRpcBackward (a received Parameter's: its tensor hooks), then the
-        # gradient goes back with those of the message's other tensors
+        # gradients go back with those of the message's other tensors
         is_recv = type(node) is RecvRpcBackward
-        if g is not None and not hooked:
-            g = _tensor_pre_hooks(node, [g])[0] if is_recv else _leaf_hooks(node.variable, g)
+        grads = [buf.get(nr) for nr in range(len(node._input_metadata))]
+        if not hooked and any(g is not None for g in grads):
+            grads = (_tensor_pre_hooks(node, grads) if is_recv
+                     else [_leaf_hooks(node.variable, grads[0])])
         pre, post = _hook_tables(node) if is_recv else ({}, {})
         if pre:
-            (g,) = _run_hooks(pre, (g,))
-        m, i = recv
-        self._recv_out[m][i] = g
-        self._recv_left[m] -= 1
-        if self._recv_left[m] == 0:  # the recv function fires: back to its sender
-            outbox.append(Outgoing(self._recv_peer[m], m, self._recv_out.pop(m)))
+            grads = list(_run_hooks(pre, tuple(grads)))
+        for nr, m, i in points:
+            self._recv_out[m][i] = grads[nr]
+            self._recv_left[m] -= 1
+            if self._recv_left[m] == 0:  # the recv function fires: back to its sender
+                outbox.append(Outgoing(self._recv_peer[m], m, self._recv_out.pop(m)))
         if post:  # (RecvRpcBackward returns no gradients)
-            _run_hooks(post, (), (g,))
+            _run_hooks(post, (), tuple(grads))
 
     def _leaf(self, node: Node, g: torch.Tensor | None, record: StageRecord,
               hooked: bool) -> None:

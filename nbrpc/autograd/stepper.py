@@ -55,7 +55,7 @@ class BackwardStepper:
     ...     records = stepper.run()
     ...     print(dist_autograd.get_gradients(ctx)[x])
     ['roots']
-    ['SumBackward0', 'AccumulateGrad']
+    ['SumBackward0', 'RecvRpcBackward']
     tensor([3., 3.])
     >>> shutdown()
     """

@@ -249,7 +249,8 @@ def _node_label(node: dict[str, Any], replay: _Replay) -> str:
     if "leaf" not in node:
         return short_name(node["name"])
     if node.get("recv") is not None:
-        return f"recv {replay.label.get(node['recv'], '?')} {node['shape']}"
+        what = f"{node['tensors']} tensors" if node.get("tensors") else node["shape"]
+        return f"recv {replay.label.get(node['recv'], '?')} {what}"
     return f"leaf {node['shape']}"
 
 

@@ -53,17 +53,21 @@ class _GradHooks:
     """Set by the autograd layer: ``on_send(tensor, context)`` is called for
     each tensor that requires grad as it is pickled and returns a token (or
     None); ``on_recv(tensor, token, context)`` gets it back on the receiver and
-    returns the tensor the message delivers (the same values, recorded: a
-    tensor made by the recv function of the message)."""
+    returns the tensor the message delivers (the same values, recorded);
+    ``on_loaded(context)`` is called once a message with a context is read
+    (the recv function of the message is made then)."""
 
     on_send: Callable[[torch.Tensor, Any], Any] | None = None
     on_recv: Callable[[torch.Tensor, Any, Any], torch.Tensor] | None = None
+    on_loaded: Callable[[Any], None] | None = None
 
 
 def register_grad_hooks(on_send: Callable[[torch.Tensor, Any], Any],
-                        on_recv: Callable[[torch.Tensor, Any, Any], torch.Tensor]) -> None:
+                        on_recv: Callable[[torch.Tensor, Any, Any], torch.Tensor],
+                        on_loaded: Callable[[Any], None] | None = None) -> None:
     """Record tensors that require grad as they travel (see :class:`_GradHooks`)."""
     _GradHooks.on_send, _GradHooks.on_recv = on_send, on_recv
+    _GradHooks.on_loaded = on_loaded
 
 
 def current_context() -> Any:
@@ -354,22 +358,29 @@ def loads(payload: bytes, buffers: list, context: Any = None) -> Any:
     :class:`~nbrpc.errors.CodeCacheMiss` before anything else is unpickled."""
     token = _context.set(context)
     try:
-        if not (len(payload) and payload[0] == _TABLE):
-            return pickle.loads(payload, buffers=buffers)
-        view = memoryview(payload)
-        n = int.from_bytes(view[1:5], "little")
-        codes = getattr(context, "codes", None)
-        if codes is None:
-            raise SerializationError("a message naming code by hash arrived where no "
-                                     "code cache is kept")
-        objs = codes.resolve(marshal.loads(view[5:5 + n]))
-        token2 = _objects.set(objs)
-        try:
-            return pickle.loads(view[5 + n:], buffers=buffers)
-        finally:
-            _objects.reset(token2)
+        obj = _loads(payload, buffers, context)
+        if context is not None and _GradHooks.on_loaded is not None:
+            _GradHooks.on_loaded(context)
+        return obj
     finally:
         _context.reset(token)
+
+
+def _loads(payload: bytes, buffers: list, context: Any) -> Any:
+    if not (len(payload) and payload[0] == _TABLE):
+        return pickle.loads(payload, buffers=buffers)
+    view = memoryview(payload)
+    n = int.from_bytes(view[1:5], "little")
+    codes = getattr(context, "codes", None)
+    if codes is None:
+        raise SerializationError("a message naming code by hash arrived where no "
+                                 "code cache is kept")
+    objs = codes.resolve(marshal.loads(view[5:5 + n]))
+    token = _objects.set(objs)
+    try:
+        return pickle.loads(view[5 + n:], buffers=buffers)
+    finally:
+        _objects.reset(token)
 
 
 def _describe(obj: Any) -> str:
