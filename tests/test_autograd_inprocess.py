@@ -176,6 +176,15 @@ def test_received_tensors_are_recv_node_outputs_and_may_change_in_place(
     assert torch.allclose(gx, xl.grad) and torch.allclose(gb, bl.grad)
 
 
+def test_a_call_in_inference_mode_inside_a_context_sends_its_tensors(group) -> None:
+    """Recording a sent leaf's gradient edge needs autograd: it works from a
+    thread in inference mode (it failed while the message was pickled)."""
+    x = make_param(10, 2, 2)
+    with dist_autograd.context(), torch.inference_mode():
+        y = rpc_sync("b", torch.mul, (x, 2.0))
+    assert torch.equal(y, x.detach() * 2)
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_values_fetched_with_to_here_and_rref_proxies(group, mode: str) -> None:
     wb = remote("b", make_param, (5, 3))

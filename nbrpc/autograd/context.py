@@ -240,7 +240,8 @@ class Contexts(Propagator):
             wire.on_unsent(lambda: self._unsend(ctx, msg_id))
         send = ctx.sends[msg_id]
         send.tensors.append(t)
-        send.edges.append(get_gradient_edge(t))
+        with torch.inference_mode(False):  # (a leaf's edge is found through autograd)
+            send.edges.append(get_gradient_edge(t))
         if t.device.type == "cpu":
             return wire.tag, msg_id
         return wire.tag, msg_id, str(t.device)  # its gradient comes back there
