@@ -680,3 +680,14 @@ def test_the_graph_shows_a_messages_recv_node_once() -> None:
     assert [r["leaves"] for r in d["recvs"]] == [[recvs[0]["id"]] * 2, [recvs[1]["id"]]]
     replay = _Replay({"workers": {"w0": d}}, [])
     assert [_node_label(n, replay).split(" ", 2)[2] for n in recvs] == ["2 tensors", "[4]"]
+
+
+def test_a_tensor_received_in_another_context_is_refused_with_the_reason() -> None:
+    """Its recv node belongs to no recv function of this pass: the gradient
+    has nowhere to go (it was a plain leaf before received tensors had
+    nodes, and took the gradient silently)."""
+    y = _received(torch.ones(2))
+    p = LocalPass("w", {}, {}, lambda t, g: None, roots=[(y * 2).sum()])
+    p.start()
+    with pytest.raises(BackwardError, match="received over RPC in another distributed"):
+        p.run()

@@ -185,6 +185,18 @@ def test_a_call_in_inference_mode_inside_a_context_sends_its_tensors(group) -> N
     assert torch.equal(y, x.detach() * 2)
 
 
+def test_a_tensor_received_in_another_context_fails_backward_with_the_reason(group) -> None:
+    x = make_param(11, 2, 2)
+    with dist_autograd.context():
+        y = rpc_sync("b", torch.mul, (x, 2.0))
+    with dist_autograd.context() as ctx:
+        with pytest.raises(BackwardStageError, match="in another distributed autograd"):
+            dist_autograd.backward(ctx, [(y * 3).sum()])
+        z = rpc_sync("b", torch.mul, (x, 2.0))  # the same agents, a new pass: fine
+        dist_autograd.backward(ctx, [z.sum()])
+        assert torch.equal(dist_autograd.get_gradients(ctx)[x], torch.full((2, 2), 2.0))
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_values_fetched_with_to_here_and_rref_proxies(group, mode: str) -> None:
     wb = remote("b", make_param, (5, 3))

@@ -422,13 +422,19 @@ class LocalPass:
         recv node, gets its gradients ``buf`` (by input; their tensor hooks
         already run if ``hooked``)."""
         points = self._recv_of.get(node)
+        is_recv = type(node) is RecvRpcBackward
+        if points is None and is_recv:
+            raise BackwardError(
+                f"a tensor {self.worker!r} received over RPC in another distributed "
+                "autograd context (or in one since released) is part of this graph: its "
+                "gradient can only go back in the context it arrived in. Compute the loss "
+                "from tensors of one context, or .detach() the tensor.")
         if points is None:  # 4. a leaf of this worker: into the context
             self._leaf(node, buf.get(0), record, hooked)
             return
         # 5. received tensors: their hooks, as PyTorch's engine runs them on
         # RecvRpcBackward (a received Parameter's: its tensor hooks), then the
         # gradients go back with those of the message's other tensors
-        is_recv = type(node) is RecvRpcBackward
         grads = [buf.get(nr) for nr in range(len(node._input_metadata))]
         if not hooked and any(g is not None for g in grads):
             grads = (_tensor_pre_hooks(node, grads) if is_recv
