@@ -29,11 +29,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch.autograd.graph import GradientEdge, get_gradient_edge
+from torch.autograd.graph import GradientEdge
 
 from ..agent import Agent, MessageContext, Propagator
 from ..errors import WorkerGoneError
-from .engine import LocalPass, StageRecord, gets_recv_node, norm, recv_tensors
+from .engine import LocalPass, StageRecord, gets_recv_node, gradient_edge, norm, recv_tensors
 from .messages import Release
 
 log = logging.getLogger(__name__)
@@ -240,8 +240,7 @@ class Contexts(Propagator):
             wire.on_unsent(lambda: self._unsend(ctx, msg_id))
         send = ctx.sends[msg_id]
         send.tensors.append(t)
-        with torch.inference_mode(False):  # (a leaf's edge is found through autograd)
-            send.edges.append(get_gradient_edge(t))
+        send.edges.append(gradient_edge(t))
         if t.device.type == "cpu":
             return wire.tag, msg_id
         return wire.tag, msg_id, str(t.device)  # its gradient comes back there

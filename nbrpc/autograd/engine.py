@@ -153,15 +153,29 @@ def end_point(end: GradientEdge | torch.Tensor) -> tuple[Node, int] | None:
     """Where a received tensor's gradient arrives: ``end`` is its recv node's
     input (a ``GradientEdge``), or the tensor itself (a leaf: its
     ``AccumulateGrad``; None if it does not require grad)."""
-    if not isinstance(end, torch.Tensor):
-        return end[0], end[1]
-    return edge(end) if end.requires_grad else None
+    if isinstance(end, torch.Tensor) and not end.requires_grad:
+        return None
+    return edge(end)
 
 
-def edge(t: torch.Tensor) -> tuple[Node, int]:
-    """Where a gradient for ``t`` enters the graph: (node, input number)."""
-    e = get_gradient_edge(t)
-    return e.node, e.output_nr
+def gradient_edge(t: torch.Tensor) -> GradientEdge:
+    """Where a gradient for ``t`` enters the graph now. A leaf's is found
+    through autograd, so inference mode is set aside (it would record nothing).
+
+    >>> x = torch.ones(2, requires_grad=True)
+    >>> with torch.inference_mode():
+    ...     gradient_edge(x).node.name()
+    'torch::autograd::AccumulateGrad'
+    """
+    with torch.inference_mode(False):
+        return get_gradient_edge(t)
+
+
+def edge(x: torch.Tensor | GradientEdge) -> tuple[Node, int]:
+    """Where a gradient enters the graph, as (node, input number): a tensor's
+    now, or a ``GradientEdge`` taken earlier (a sent tensor's, as it was sent)."""
+    e = gradient_edge(x) if isinstance(x, torch.Tensor) else x
+    return e[0], e[1]
 
 
 def norm(g: torch.Tensor | None) -> float | None:
@@ -206,8 +220,7 @@ class LocalPass:
         self._by_engine = (not norms) if by_engine is None else by_engine
         self._accumulate = accumulate
         self._name = names or (lambda t: f"leaf{tuple(t.shape)}")
-        self._sends = {m: [edge(t) if isinstance(t, torch.Tensor) else (t[0], t[1])
-                           for t in ts] for m, ts in sends.items()}
+        self._sends = {m: [edge(t) for t in ts] for m, ts in sends.items()}
         # where each sent tensor lives: its gradient is used there
         self._send_devices = {m: [n._input_metadata[nr].device for n, nr in es]
                               for m, es in self._sends.items()}
