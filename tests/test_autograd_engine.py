@@ -548,7 +548,8 @@ def test_a_received_tensor_is_a_recv_nodes_output_and_its_hooks_run_as_pytorch_r
     loss.backward()
     mine: list = []
     node, loss, (w, w2) = _received_model(mine, _received)
-    assert type(node) is RecvRpcBackward and node.name() == "RecvRpcBackward"
+    assert type(node) is RecvRpcBackward
+    assert node.name() == "torch::distributed::autograd::RecvRpcBackward"
     got, accumulate = collector()
     p = LocalPass("w", {}, {7: (1, [GradientEdge(node, 0)])}, accumulate, roots=[loss])
     p.start()
@@ -691,3 +692,72 @@ def test_a_tensor_received_in_another_context_is_refused_with_the_reason() -> No
     p.start()
     with pytest.raises(BackwardError, match="received over RPC in another distributed"):
         p.run()
+
+
+def test_a_recv_node_shows_itself_to_python_as_pytorchs_does() -> None:
+    """PyTorch's ``name()``, no ``next_functions`` (graph walkers never see
+    the anchor that makes the node record), the short name in a tensor's repr;
+    torch's engine still reaches the node (a local backward is refused)."""
+    from nbrpc.autograd.engine import recv_tensors
+
+    a = torch.ones(2)
+    node = recv_tensors([a])
+    assert node.name() == "torch::distributed::autograd::RecvRpcBackward"
+    assert node.next_functions == () and "grad_fn=<RecvRpcBackward>" in repr(a)
+    with pytest.raises(RuntimeError, match=r"nbrpc\.autograd\.backward\(context_id"):
+        (a * 2).sum().backward()
+
+
+def _coo(requires_grad: bool = False) -> torch.Tensor:
+    return torch.sparse_coo_tensor([[0, 1, 1], [2, 0, 1]], [0.5, -1.0, 2.0], (2, 3),
+                                   requires_grad=requires_grad, check_invariants=True)
+
+
+def test_where_a_sparse_tensors_gradient_enters() -> None:
+    """Sparse tensors have no views (get_gradient_edge's way in): a leaf's
+    edge is its accumulator, a result's its grad_fn, a received one's its recv
+    node; the edge keeps the graph behind it alive, as get_gradient_edge's."""
+    from nbrpc.autograd.engine import gradient_edge, recv_tensors
+
+    s = _coo(requires_grad=True)
+    e = gradient_edge(s)
+    assert e.node.name() == "torch::autograd::AccumulateGrad" and e.node.variable is s
+    assert e.output_nr == 0 and e.ownership_token is not None
+    t = s * 2.0
+    assert gradient_edge(t).node is t.grad_fn
+    r = _coo()
+    node = recv_tensors([torch.ones(1), r])
+    e = gradient_edge(r)
+    assert (e.node, e.output_nr) == (node, 1)
+    with torch.inference_mode():
+        assert gradient_edge(s).node.variable is s
+
+
+def test_sparse_gradients_through_a_recv_node_and_a_send(by_engine: bool) -> None:
+    """B receives a sparse tensor (its recv node's output) and uses it: the
+    sparse gradient goes back; A feeds it to the send's edge and the sparse
+    leaf gets what local autograd gives it."""
+    from nbrpc.autograd.engine import gradient_edge, recv_tensors
+
+    w = torch.tensor([[1.0, 2.0], [3.0, 4.0], [5.0, 6.0]], requires_grad=True)
+    s = _coo(requires_grad=True)
+    torch.sparse.mm(s, w).sum().backward()  # the same, locally
+    want_s, want_w = s.grad, w.grad
+    w.grad = None
+
+    got_a, acc_a = collector()
+    a = LocalPass("A", {1: [gradient_edge(s)]}, {}, acc_a)
+    got_b, acc_b = collector()
+    r = s.detach().clone()  # what B receives
+    node = recv_tensors([r])
+    b = LocalPass("B", {}, {1: (0, [GradientEdge(node, 0)])}, acc_b,
+                  roots=[torch.sparse.mm(r, w).sum()])
+    b.start()
+    _, out = b.run()
+    (g,) = out[0].grads
+    assert g.layout is torch.sparse_coo
+    a.receive(1, [g])
+    a.run("send 1")
+    assert got_a[s].layout is torch.sparse_coo
+    torch.testing.assert_close(got_a[s].to_dense(), want_s.to_dense())
+    torch.testing.assert_close(got_b[w], want_w)

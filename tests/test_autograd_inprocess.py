@@ -65,6 +65,10 @@ def contexts_here() -> int:
     return len(current_agent().ext["autograd"].contexts)
 
 
+def context_ids_here() -> set[int]:
+    return set(current_agent().ext["autograd"].contexts)
+
+
 def backward(mode: str, ctx: int, roots: list, retain_graph: bool = False) -> list:
     if mode == "normal":
         dist_autograd.backward(ctx, roots, retain_graph=retain_graph)
@@ -195,6 +199,132 @@ def test_a_tensor_received_in_another_context_fails_backward_with_the_reason(gro
         z = rpc_sync("b", torch.mul, (x, 2.0))  # the same agents, a new pass: fine
         dist_autograd.backward(ctx, [z.sum()])
         assert torch.equal(dist_autograd.get_gradients(ctx)[x], torch.full((2, 2), 2.0))
+
+
+def sparse_step(idx: torch.Tensor, psw: torch.Tensor, s: torch.Tensor, emb: RRef,
+                w: RRef) -> tuple[torch.Tensor, torch.Tensor]:
+    bags = emb.local_value()(idx, torch.tensor([0, 2]), per_sample_weights=psw)
+    return bags, torch.sparse.mm(s, w.local_value())
+
+
+def make_embedding(seed: int) -> nn.EmbeddingBag:
+    torch.manual_seed(seed)
+    return nn.EmbeddingBag(6, 3, mode="sum", sparse=True)
+
+
+def sparse_grad_here(ctx: int, emb: RRef) -> torch.Tensor:
+    return dist_autograd.get_gradients(ctx)[emb.local_value().weight]
+
+
+def weight_of(emb: RRef) -> RRef:
+    return RRef(emb.local_value().weight)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_sparse_tensors_and_sparse_gradients_cross_workers(group, mode: str) -> None:
+    """A sparse tensor that requires grad is recorded as it travels (it used
+    to arrive without requires_grad), and sparse gradients (an EmbeddingBag's,
+    a sparse input's) go back: each equal to local autograd's."""
+    emb, wb = remote("b", make_embedding, (3,)), remote("b", make_param, (4, 3, 2))
+    s = torch.sparse_coo_tensor([[0, 1, 1], [2, 0, 1]], [0.5, -1.0, 2.0], (2, 3),
+                                requires_grad=True, check_invariants=True)
+    psw, idx = make_param(5, 4), torch.tensor([0, 2, 2, 5])
+    el, wl, sl, pl = emb.to_here(), local(wb.to_here()), s.detach().requires_grad_(), local(psw)
+    opt = DistributedOptimizer(torch.optim.SGD, [rpc_sync("b", weight_of, (emb,))], lr=0.5)
+    with dist_autograd.context() as ctx:
+        bags, mm = rpc_sync("b", sparse_step, (idx, psw, s, emb, wb))
+        backward(mode, ctx, [(bags * bags).sum() + (mm * mm).sum()])
+        mine = dist_autograd.get_gradients(ctx)
+        g_emb = rpc_sync("b", sparse_grad_here, (ctx, emb))
+        g_w = rpc_sync("b", grad_here, (ctx, wb))
+        opt.step(ctx)  # SGD with a sparse gradient, on b
+    bl = el(idx, torch.tensor([0, 2]), per_sample_weights=pl)
+    ((bl * bl).sum() + (torch.sparse.mm(sl, wl) ** 2).sum()).backward()
+    assert mine[s].layout is torch.sparse_coo and g_emb.layout is torch.sparse_coo
+    assert torch.allclose(mine[s].to_dense(), sl.grad.to_dense())
+    assert torch.allclose(g_emb.to_dense(), el.weight.grad.to_dense())
+    assert torch.allclose(mine[psw], pl.grad) and torch.allclose(g_w, wl.grad)
+    torch.optim.SGD(el.parameters(), lr=0.5).step()
+    assert torch.allclose(emb.to_here().weight, el.weight)
+
+
+def graph_here(ctx_id: int) -> dict:
+    """This worker's records of ``ctx_id``, through PyTorch's private API."""
+    ctx = dist_autograd._retrieve_context(ctx_id)
+    return {"current": dist_autograd._current_context()._context_id(),
+            "sends": [[n.name() for n, _ in f.next_functions]
+                      for f in ctx._send_functions().values()],
+            "recvs": len(ctx._recv_functions()), "known": ctx._known_worker_ids()}
+
+
+def relay_graph(x: torch.Tensor, ctx_id: int) -> tuple[torch.Tensor, dict]:
+    y = rpc_sync("c", torch.mul, (x, 2.0))
+    return y, graph_here(ctx_id)
+
+
+class _DebugInfoAt(torch.autograd.Function):
+    """Identity; its backward reads the debug counters where it runs."""
+
+    seen: list = []
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        _DebugInfoAt.seen.append(dist_autograd._get_debug_info())
+        return g
+
+
+def through_debug_info(x: torch.Tensor) -> torch.Tensor:
+    return _DebugInfoAt.apply(x) * 3.0
+
+
+def debug_info_seen() -> list:
+    return _DebugInfoAt.seen
+
+
+def test_pytorchs_private_context_api_shows_the_graph(group) -> None:
+    """``_current_context()`` (also in a handler: the request's context),
+    ``_retrieve_context``, the send and recv functions with PyTorch's node
+    names, known workers, ``_new_context``/``_release_context`` and the debug
+    counters, on a chain a -> b -> c."""
+    x = make_param(12, 2, 2)
+    with pytest.raises(RuntimeError, match="Current thread doesn't have a valid autograd"):
+        dist_autograd._current_context()
+    with dist_autograd.context() as ctx_id:
+        y, on_b = rpc_sync("b", relay_graph, (x, ctx_id))
+        ctx = dist_autograd._current_context()
+        assert ctx is dist_autograd._retrieve_context(ctx_id) and ctx._context_id() == ctx_id
+        assert [[n.name() for n, _ in f.next_functions] for f in
+                ctx._send_functions().values()] == [["torch::autograd::AccumulateGrad"]]
+        (recv,) = ctx._recv_functions().values()
+        assert recv is y.grad_fn and ctx._known_worker_ids() == {1}
+        recv_name = "torch::distributed::autograd::RecvRpcBackward"
+        assert on_b == {"current": ctx_id, "sends": [[recv_name]], "recvs": 2,
+                        "known": {0, 2}}  # (the reply is sent after the handler returns)
+        assert dist_autograd._get_max_id() == (1 << 48) - 1
+        assert dist_autograd._get_debug_info() == {"num_current_backward_passes": 0,
+                                                   "num_autograd_contexts": 1}
+        z = rpc_sync("b", through_debug_info, (x,))
+        dist_autograd.backward(ctx_id, [z.sum()])
+        assert rpc_sync("b", debug_info_seen)[-1]["num_current_backward_passes"] == 1
+    with pytest.raises(RuntimeError, match=f"Could not find autograd context with id: {ctx_id}"):
+        dist_autograd._retrieve_context(ctx_id)
+    new = dist_autograd._new_context()  # by hand, as context() does
+    try:
+        with pytest.raises(RuntimeError, match="Already have an autograd context id"):
+            dist_autograd._new_context()
+        rpc_sync("b", torch.mul, (x, 2.0))
+        assert new._context_id() in rpc_sync("b", context_ids_here)
+    finally:
+        dist_autograd._release_context(new._context_id())
+    assert poll_for(lambda: new._context_id() not in rpc_sync("b", context_ids_here))
+    with pytest.raises(RuntimeError, match="Current thread doesn't have"):
+        dist_autograd._current_context()
+    with pytest.raises(RuntimeError, match="Could not find autograd context"):
+        dist_autograd._release_context(new._context_id())
 
 
 @pytest.mark.parametrize("mode", MODES)

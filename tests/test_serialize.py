@@ -90,10 +90,31 @@ def test_empty_and_scalar_tensors() -> None:
     assert e.shape == (0, 3) and s.item() == 2.5
 
 
-def test_sparse_tensor_falls_back_to_torch_pickling() -> None:
-    x = torch.eye(3).to_sparse()
-    y, _, _ = _roundtrip(x)
-    assert torch.equal(y.to_dense(), torch.eye(3))
+def _sparse(layout: str) -> torch.Tensor:
+    dense = torch.tensor([[0.0, 2.0, 0.0, 0.0], [1.0, 0.0, 0.0, 3.0]])
+    if layout == "coo-uncoalesced":  # (index [0, 1] twice: its values add up)
+        return torch.sparse_coo_tensor([[0, 1, 0, 1], [1, 0, 1, 3]], [1.5, 1.0, 0.5, 3.0],
+                                       (2, 4), check_invariants=True)
+    if layout == "bsr":
+        return dense.to_sparse_bsr((1, 2))
+    return getattr(dense, f"to_sparse_{layout}" if layout != "coo" else "to_sparse")()
+
+
+@pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta")
+@pytest.mark.parametrize("layout", ["coo", "coo-uncoalesced", "csr", "csc", "bsr"])
+def test_sparse_tensors_travel_as_their_parts_and_keep_requires_grad(layout: str) -> None:
+    """Torch's own pickling of a sparse tensor drops requires_grad (and so
+    distributed autograd never saw one): each part travels out of band, and
+    the tensor is rebuilt with its layout, values and autograd flag."""
+    x = _sparse(layout).requires_grad_()
+    y, _, buffers = _roundtrip(x)
+    assert y.layout == x.layout and y.shape == x.shape and y.requires_grad and y.is_leaf
+    assert torch.equal(y.detach().to_dense(), x.detach().to_dense())
+    assert len(buffers) == (2 if x.layout is torch.sparse_coo else 3)
+    if x.layout is torch.sparse_coo:
+        assert y.is_coalesced() == x.is_coalesced()
+    plain, _, _ = _roundtrip(_sparse(layout))
+    assert not plain.requires_grad
 
 
 def test_main_functions_by_value_importable_by_reference() -> None:

@@ -680,6 +680,106 @@ def dist_in_place_after_send(rpc):
                 "w1": rpc.rpc_sync("w1", _grads_on_w1, args=(ctx, "after_send"))}
 
 
+def _two_on_w1(h: torch.Tensor, x: torch.Tensor, key: str) -> torch.Tensor:
+    return torch.tanh(h @ _w(key)) * x.sum()
+
+
+def _walk(fn: Any, depth: int = 5) -> list:
+    """A node's graph as ``[name, [[next, output_nr], ...]]`` (PyTorch's private
+    ``next_functions``, as graph walkers read it), ``depth`` levels down."""
+    if fn is None:
+        return [None]
+    nexts = [[_walk(n, depth - 1), nr] for n, nr in fn.next_functions] if depth else []
+    return [fn.name(), nexts]
+
+
+def _graph_of(ctx: Any) -> dict:
+    """A context's send and recv functions, through PyTorch's private
+    inspection API (``_send_functions()``, ``_recv_functions()``, ...)."""
+    return {"sends": [_walk(f) for f in ctx._send_functions().values()],
+            "recvs": [_walk(f) for f in ctx._recv_functions().values()],
+            "known": sorted(ctx._known_worker_ids())}
+
+
+def _graph_on_w1(ctx_id: int) -> dict:
+    return _graph_of(_AUTOGRAD._retrieve_context(ctx_id))
+
+
+@_obs
+def dist_graph_inspection(rpc):
+    """The graph an RPC made, seen through PyTorch's private context API (its
+    design notes' and tests' way to look): the send function's edges on both
+    workers (two tensors of one message: one recv node, outputs 0 and 1), the
+    recv node's identity, known workers, ids and the debug counters."""
+    x = _x()
+    out = {"outside a context": _raises(lambda: _AUTOGRAD._current_context()),
+           "unknown id": _raises(lambda: _AUTOGRAD._retrieve_context(12345))}
+    with _AUTOGRAD.context() as ctx_id:
+        y = rpc.rpc_sync("w1", _two_on_w1, args=(x * 2.0, x, "graph"))
+        rpc.rpc_sync("w1", torch.add, args=(torch.ones(2), 1))  # no grad: no functions
+        ctx = _AUTOGRAD._current_context()
+        recv, = ctx._recv_functions().values()
+        out.update({
+            "w0": _graph_of(ctx), "w1": rpc.rpc_sync("w1", _graph_on_w1, args=(ctx_id,)),
+            "same id": ctx._context_id() == ctx_id == _AUTOGRAD._retrieve_context(ctx_id)
+            ._context_id(),
+            "recv is y.grad_fn": recv is y.grad_fn, "repr": repr(y).split("grad_fn=")[-1],
+            "id's worker": ctx_id >> 48, "max id": _AUTOGRAD._get_max_id() == (1 << 48) - 1,
+            "debug info": {k: int(v) for k, v in _AUTOGRAD._get_debug_info().items()},
+        })
+        _AUTOGRAD.backward(ctx_id, [y.sum()])
+        out["gradients"] = {"w0": _named(_AUTOGRAD.get_gradients(ctx_id), {"x": x}),
+                            "w1": rpc.rpc_sync("w1", _grads_on_w1, args=(ctx_id, "graph"))}
+    out["released"] = _raises(lambda: _AUTOGRAD._retrieve_context(ctx_id))
+    new = _AUTOGRAD._new_context()  # what context() does, by hand
+    out["new context is current"] = (_AUTOGRAD._current_context()._context_id()
+                                     == new._context_id())
+    _AUTOGRAD._release_context(new._context_id())
+    out["after release"] = _raises(lambda: _AUTOGRAD._current_context())
+    return out
+
+
+_EMB = {}  # on w1: one EmbeddingBag with sparse gradients per observation
+
+
+def _embedding_on_w1(idx: torch.Tensor, offsets: torch.Tensor, psw: torch.Tensor,
+                     s: torch.Tensor, key: str) -> tuple:
+    if key not in _EMB:
+        _EMB[key] = torch.nn.EmbeddingBag(6, 2, mode="sum", sparse=True)
+        with torch.no_grad():
+            _EMB[key].weight.copy_(torch.arange(12.0).reshape(6, 2) / 10)
+    bags = _EMB[key](idx, offsets, per_sample_weights=psw)
+    return bags, torch.sparse.mm(s, _w(key))
+
+
+def _sparse_grads_on_w1(ctx_id: int, key: str) -> dict:
+    grads = _AUTOGRAD.get_gradients(ctx_id)
+    return {name: [str(g.layout), g.to_dense().tolist()] for name, g in (
+        ("emb", grads.get(_EMB[key].weight)), ("W", grads.get(_w(key)))) if g is not None}
+
+
+S0 = ([[0, 1, 1], [2, 0, 1]], [0.5, -1.0, 2.0], (2, 3))
+
+
+@_obs
+def dist_sparse_gradients(rpc):
+    """Sparse tensors and sparse gradients across workers (PyTorch's
+    parameter-server case): a sparse COO tensor that requires grad, sent and
+    used by torch.sparse.mm; an EmbeddingBag with sparse gradients on w1. The
+    sparse gradients go back over RPC and land in the contexts."""
+    s = torch.sparse_coo_tensor(*S0, requires_grad=True, check_invariants=True)
+    psw = torch.tensor([1.0, 2.0, -1.0, 0.5], requires_grad=True)
+    idx, offsets = torch.tensor([0, 2, 2, 5]), torch.tensor([0, 2])
+    with _AUTOGRAD.context() as ctx_id:
+        bags, mm = rpc.rpc_sync("w1", _embedding_on_w1, args=(idx, offsets, psw, s, "sparse"))
+        _AUTOGRAD.backward(ctx_id, [(bags * bags).sum() + mm.sum()])
+        mine = _AUTOGRAD.get_gradients(ctx_id)
+        return {"s sent": [str(s.layout), s.requires_grad],
+                "w0": {"s": [str(mine[s].layout), mine[s].to_dense().tolist()],
+                       "psw": mine[psw].tolist()},
+                "w1": rpc.rpc_sync("w1", _sparse_grads_on_w1, args=(ctx_id, "sparse"))}
+
+
 def _loss_rref_on_w1(x: torch.Tensor, key: str) -> torch.Tensor:
     return torch.tanh(x @ _w(key)).sum()
 
@@ -1033,3 +1133,51 @@ def test_dist_hooks_difference(observed: dict) -> None:
     ref = _local_reference()
     assert _same(got["w1"]["W"], [[6 * v for v in r] for r in ref["W"]]), got
     assert _same(got["w0"]["x"], [[3 * v for v in r] for r in ref["x"]]), got
+
+
+def test_dist_graph_inspection_pinned(observed: dict) -> None:
+    """What PyTorch's private context API shows of the graph (both backends
+    compare equal in test_same_as_torch; this pins the shape, so a harness
+    that observes nothing cannot pass)."""
+    for backend in BACKENDS:
+        got = _value(observed, backend, "dist_graph_inspection")
+        send, = got["w1"]["sends"]  # w1 sent the reply: its edge leads to MulBackward0
+        assert send[0] == "torch::distributed::autograd::SendRpcBackward"
+        recv = "torch::distributed::autograd::RecvRpcBackward"
+        (mul, _), = send[1]
+        (tanh, _), (total, _) = mul[1]
+        (mm, _), = tanh[1]
+        (h_node, h_nr), (w_node, _) = mm[1]
+        (x_node, x_nr), = total[1]
+        assert (h_node, h_nr, x_node, x_nr) == ([recv, []], 0, [recv, []], 1), backend
+        assert w_node[0] == "torch::autograd::AccumulateGrad"
+        assert got["w0"]["recvs"] == [[recv, []]] and got["recv is y.grad_fn"] is True
+        assert got["w0"]["known"] == [1] and got["w1"]["known"] == [0]
+        assert got["debug info"]["num_autograd_contexts"] == 1
+        for case in ("outside a context", "unknown id", "released", "after release"):
+            assert got[case]["RuntimeError"] is True, (backend, case)
+
+
+def _sparse_reference() -> dict:
+    """dist_sparse_gradients' computation in one process, with local autograd."""
+    s = torch.sparse_coo_tensor(*S0, requires_grad=True, check_invariants=True)
+    psw = torch.tensor([1.0, 2.0, -1.0, 0.5], requires_grad=True)
+    emb = torch.nn.EmbeddingBag(6, 2, mode="sum", sparse=True)
+    with torch.no_grad():
+        emb.weight.copy_(torch.arange(12.0).reshape(6, 2) / 10)
+    w = torch.tensor(W0, requires_grad=True)
+    bags = emb(torch.tensor([0, 2, 2, 5]), torch.tensor([0, 2]), per_sample_weights=psw)
+    ((bags * bags).sum() + torch.sparse.mm(s, w).sum()).backward()
+    return {"s sent": [str(s.layout), True],
+            "w0": {"s": [str(s.grad.layout), s.grad.to_dense().tolist()],
+                   "psw": psw.grad.tolist()},
+            "w1": {"emb": [str(emb.weight.grad.layout), emb.weight.grad.to_dense().tolist()],
+                   "W": [str(w.grad.layout), w.grad.tolist()]}}
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_dist_sparse_gradients_equal_local_autograd(observed: dict, backend: str) -> None:
+    got = _value(observed, backend, "dist_sparse_gradients")
+    want = _sparse_reference()
+    assert want["w1"]["emb"][0] == "torch.sparse_coo"  # (the case this is about)
+    assert _same(got, want), (got, want)

@@ -60,6 +60,7 @@ from torch.testing._internal.distributed.rpc.rpc_agent_test_fixture import (  # 
 pytestmark = [pytest.mark.torch_suites, pytest.mark.timeout(150), pytest.mark.flaky(reruns=1)]
 
 SUITES = [rpc_test.RpcTest, dist_autograd_test.DistAutogradTest,
+          dist_autograd_test.TensorPipeAgentDistAutogradTest,  # (sparse tensors; the graph)
           dist_optimizer_test.DistOptimizerTest, remote_module_test.RemoteModuleTest,
           remote_module_test.ThreeWorkersRemoteModuleTest,
           parameter_server_test.ParameterServerTest,

@@ -15,56 +15,16 @@ import os
 # Outside the public API: what each test needs that nbrpc does not offer.
 EXCLUDED: dict[str, dict[str, str]] = {
     'DistAutogradTest': {
-        'test_autograd_context':
-            'private dist_autograd internals (_current_context, _retrieve_context, _new_context, _get_max_id)',
         'test_backward_node_failure':
             'private torch.distributed.rpc internals (api._*, _use_rpc_pickler, PythonUDF, ...)',
         'test_backward_node_failure_python_udf':
             'private torch.distributed.rpc internals (api._*, _use_rpc_pickler, PythonUDF, ...)',
         'test_backward_simple_script_call':
             'TorchScript (torch.jit functions or modules as RPC targets)',
-        'test_clean_context_during_backward':
-            'private dist_autograd internals (_current_context, _retrieve_context, _new_context, _get_max_id)',
-        'test_context_cleanup_nested_rpc':
-            'private dist_autograd internals (_current_context, _retrieve_context, _new_context, _get_max_id)',
-        'test_context_cleanup_no_tensors':
-            'private dist_autograd internals (_current_context, _retrieve_context, _new_context, _get_max_id)',
-        'test_context_cleanup_tensor_no_grad':
-            'private dist_autograd internals (_current_context, _retrieve_context, _new_context, _get_max_id)',
-        'test_context_cleanup_tensor_with_grad':
-            'private dist_autograd internals (_current_context, _retrieve_context, _new_context, _get_max_id)',
-        'test_debug_info':
-            'private torch.distributed.rpc internals (api._*, _use_rpc_pickler, PythonUDF, ...)',
         'test_dist_autograd_profiling':
             "the RPC profiler (TensorPipe's profiling hooks)",
-        'test_graph_for_builtin_call':
-            'private dist_autograd internals (_current_context, _retrieve_context, _new_context, _get_max_id)',
-        'test_graph_for_builtin_remote_call':
-            'private dist_autograd internals (_current_context, _retrieve_context, _new_context, _get_max_id)',
-        'test_graph_for_py_nested_call':
-            'private dist_autograd internals (_current_context, _retrieve_context, _new_context, _get_max_id)',
-        'test_graph_for_py_nested_call_itself':
-            'private dist_autograd internals (_current_context, _retrieve_context, _new_context, _get_max_id)',
-        'test_graph_for_py_nested_remote_call':
-            'private dist_autograd internals (_current_context, _retrieve_context, _new_context, _get_max_id)',
-        'test_graph_for_py_nested_remote_call_itself':
-            'private dist_autograd internals (_current_context, _retrieve_context, _new_context, _get_max_id)',
-        'test_graph_for_python_call':
-            'private dist_autograd internals (_current_context, _retrieve_context, _new_context, _get_max_id)',
-        'test_graph_for_python_remote_call':
-            'private dist_autograd internals (_current_context, _retrieve_context, _new_context, _get_max_id)',
-        'test_no_graph_with_tensors_not_require_grad':
-            'private dist_autograd internals (_current_context, _retrieve_context, _new_context, _get_max_id)',
-        'test_no_graph_with_tensors_not_require_grad_remote':
-            'private dist_autograd internals (_current_context, _retrieve_context, _new_context, _get_max_id)',
-        'test_remote_complex_args':
-            'private dist_autograd internals (_current_context, _retrieve_context, _new_context, _get_max_id)',
-        'test_rpc_complex_args':
-            'private dist_autograd internals (_current_context, _retrieve_context, _new_context, _get_max_id)',
         'test_trainer_ps_torchscript_functions':
             'TorchScript (torch.jit functions or modules as RPC targets)',
-        'test_worker_ids_recorded':
-            'private dist_autograd internals (_current_context, _retrieve_context, _new_context, _get_max_id)',
     },
     'RemoteModuleTest': {
         'test_forward_async':
@@ -231,6 +191,10 @@ EXCLUDED: dict[str, dict[str, str]] = {
             'private torch.distributed.rpc internals (api._*, _use_rpc_pickler, PythonUDF, ...)',
         'test_wait_all_workers_twice_dense':
             'private torch.distributed.rpc internals (api._*, _use_rpc_pickler, PythonUDF, ...)',
+    },
+    'TensorPipeAgentDistAutogradTest': {
+        'test_backward_simple_script_call_sparse':
+            'TorchScript (torch.jit functions or modules as RPC targets)',
     },
     'ThreeWorkersRemoteModuleTest': {
         'test_send_remote_module_over_the_wire':

@@ -68,6 +68,61 @@ def backward_stepper(context_id: int, roots: list[torch.Tensor],
                            roots, retain_graph)
 
 
+# -- PyTorch's private inspection functions (torch.distributed.autograd._*) ----------------
+# Not part of PyTorch's documented API, but what its design notes and tests use
+# to look at the graph an RPC made; here they answer from the same records the
+# backward pass uses.
+def _current_context() -> AutogradContext:
+    """The calling thread's context (inside ``context()``, or in a handler of
+    a request sent inside one): its ``_context_id()``, ``_send_functions()``,
+    ``_recv_functions()`` and ``_known_worker_ids()``, as PyTorch's.
+
+    >>> import torch
+    >>> from nbrpc.rpc.api import init_rpc, rpc_sync, shutdown, _free_port_options
+    >>> init_rpc("a", rank=0, world_size=1, rpc_backend_options=_free_port_options())
+    >>> w = torch.ones(2, requires_grad=True)
+    >>> with context() as ctx_id:
+    ...     y = rpc_sync("a", torch.mul, args=(w, 3.0))
+    ...     ctx = _current_context()
+    ...     sends, recvs = ctx._send_functions(), ctx._recv_functions()
+    >>> ctx._context_id() == ctx_id, len(sends), len(recvs)  # a call to itself: 2 messages
+    (True, 2, 2)
+    >>> [(n.name(), n.variable is w) for n, _ in next(iter(sends.values())).next_functions]
+    [('torch::autograd::AccumulateGrad', True)]
+    >>> last = list(recvs.values())[-1]  # the reply's
+    >>> last is y.grad_fn, last.name()
+    (True, 'torch::distributed::autograd::RecvRpcBackward')
+    >>> shutdown()
+    """
+    return contexts_of(current_agent("nbrpc.autograd._current_context")).current_context()
+
+
+def _retrieve_context(context_id: int) -> AutogradContext:
+    """The context ``context_id`` on this worker (RuntimeError if it has none)."""
+    return contexts_of(current_agent("nbrpc.autograd._retrieve_context")).get(context_id)
+
+
+def _new_context() -> AutogradContext:
+    """A new context, made the calling thread's until :func:`_release_context`
+    (what ``context()`` does around its block)."""
+    return contexts_of(current_agent("nbrpc.autograd._new_context")).new_context()
+
+
+def _release_context(context_id: int) -> None:
+    """Release ``context_id`` here and on every worker it reached."""
+    contexts_of(current_agent("nbrpc.autograd._release_context")).release_context(context_id)
+
+
+def _get_max_id() -> int:
+    """The largest context id this worker can make (its rank in the high 16 bits)."""
+    return contexts_of(current_agent("nbrpc.autograd._get_max_id")).max_id()
+
+
+def _get_debug_info() -> dict[str, int]:
+    """``num_current_backward_passes`` and ``num_autograd_contexts`` on this worker."""
+    return contexts_of(current_agent("nbrpc.autograd._get_debug_info")).debug_info()
+
+
 # -- installation into every agent ----------------------------------------------------------
 def _on_send(t: torch.Tensor, wire: Any) -> Any:
     if getattr(wire, "tag", None) is None:

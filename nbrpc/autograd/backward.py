@@ -118,12 +118,15 @@ def run_stage(agent: Agent, ctx: AutogradContext, lp: LocalPass, trigger: str,
     with ctx.lock:
         if lp.failed:
             raise RuntimeError(f"the distributed backward pass was aborted: {lp.failed}")
+        outer, ctx.running = ctx.running, lp  # (debug_info; outer: a stage re-entered)
         try:
             feed(lp)
             record, outbox = lp.flush() if trigger == "flush" else lp.run(trigger)
         except BaseException as e:
             lp.failed = f"{type(e).__name__} on {agent.name!r}: {e}"
             raise
+        finally:
+            ctx.running = outer
         data = ctx.add_stage(record)
     ctx.known.update(o.peer for o in outbox)
     agent.events.add("autograd-stage", trigger, agent.name, ctx.id, len(record.nodes))

@@ -29,11 +29,19 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch.autograd.graph import GradientEdge
+from torch.autograd.graph import GradientEdge, Node
 
 from ..agent import Agent, MessageContext, Propagator
 from ..errors import WorkerGoneError
-from .engine import LocalPass, StageRecord, gets_recv_node, gradient_edge, norm, recv_tensors
+from .engine import (
+    SEND_NODE_NAME,
+    LocalPass,
+    StageRecord,
+    gets_recv_node,
+    gradient_edge,
+    norm,
+    recv_tensors,
+)
 from .messages import Release
 
 log = logging.getLogger(__name__)
@@ -48,13 +56,32 @@ _thread = threading.local()  # .active: (registry, context id) of this thread, o
 
 @dataclass
 class SendFn:
-    """Tensors this worker sent in message ``msg_id`` to ``peer``, requiring grad."""
+    """Tensors this worker sent in message ``msg_id`` to ``peer``, requiring
+    grad: the message's ``SendRpcBackward``, as PyTorch's context lists it
+    (``ctx._send_functions()``): its ``next_functions`` are where the
+    gradients that come back for the tensors enter this worker's graph.
+
+    >>> w = torch.ones(2, requires_grad=True)
+    >>> send = SendFn(peer=1, tensors=[w], edges=[gradient_edge(w)])
+    >>> send.name(), [(n.name(), nr) for n, nr in send.next_functions]
+    ('torch::distributed::autograd::SendRpcBackward', [('torch::autograd::AccumulateGrad', 0)])
+    """
 
     peer: int
     tensors: list[torch.Tensor] = field(default_factory=list)
     # where each one's gradient enters this graph, taken as it was sent (an
     # in-place operation on the tensor later moves its grad_fn)
     edges: list[GradientEdge] = field(default_factory=list)
+
+    def name(self) -> str:
+        return SEND_NODE_NAME
+
+    @property
+    def next_functions(self) -> tuple[tuple[Node, int], ...]:
+        """``(node, input_nr)`` per tensor, in message order (a node's
+        ``next_functions``). The pass runs from these edges (the record is
+        not itself a node of torch's graph, as PyTorch's is)."""
+        return tuple((e.node, e.output_nr) for e in self.edges)
 
 
 @dataclass
@@ -69,6 +96,11 @@ class RecvFn:
     # in-place operation on the tensor moves its grad_fn), or the tensor itself
     # (a Parameter: a leaf; one that does not require grad)
     ends: list[GradientEdge | torch.Tensor] = field(default_factory=list)
+
+    def node(self) -> Node | None:
+        """The message's ``RecvRpcBackward`` node; None if it has none (its
+        tensors are Parameters, or the message is still being read)."""
+        return next((e.node for e in self.ends if isinstance(e, GradientEdge)), None)
 
 
 class AutogradContext:
@@ -85,6 +117,31 @@ class AutogradContext:
         self.stages: deque[dict[str, Any]] = deque(maxlen=MAX_STAGE_RECORDS)
         self.lock = threading.RLock()  # one stage at a time per context and worker
         self.leaf_names: dict[int, str] = {}  # id(tensor) -> a name for the records
+        self.running: LocalPass | None = None  # the pass whose stage runs here now
+
+    # -- as PyTorch's DistAutogradContext (its private inspection methods) -----------------
+    def _context_id(self) -> int:
+        """This context's id."""
+        return self.id
+
+    def _send_functions(self) -> dict[int, SendFn]:
+        """``{autograd message id: send function}`` of the messages this
+        worker sent in the context with tensors that require grad, in order."""
+        with self.lock:
+            return dict(self.sends)
+
+    def _recv_functions(self) -> dict[int, Node]:
+        """``{autograd message id: RecvRpcBackward node}`` of the messages this
+        worker received in the context with tensors that require grad (a
+        message of Parameters only has none: they stay leaves)."""
+        with self.lock:
+            nodes = {m: r.node() for m, r in self.recvs.items()}
+        return {m: n for m, n in nodes.items() if n is not None}
+
+    def _known_worker_ids(self) -> set[int]:
+        """The ranks this worker sent to or received from in the context."""
+        with self.lock:
+            return set(self.known)
 
     def accumulate(self, leaf: torch.Tensor, g: torch.Tensor) -> None:
         old = self.grads.get(leaf)
@@ -173,6 +230,15 @@ class Contexts(Propagator):
 
     @contextlib.contextmanager
     def context(self) -> Iterator[int]:
+        ctx = self.new_context()
+        try:
+            yield ctx.id
+        finally:
+            _thread.active = None
+            self.release(ctx.id)  # (one released inside the block already: nothing to do)
+
+    def new_context(self) -> AutogradContext:
+        """A new context, made the calling thread's until :meth:`release_context`."""
         if getattr(_thread, "active", None) is not None:
             raise RuntimeError(
                 "Already have an autograd context id for this thread (id "
@@ -182,11 +248,42 @@ class Contexts(Propagator):
         with self._lock:
             self.contexts[ctx.id] = ctx
         _thread.active = (self, ctx.id)
-        try:
-            yield ctx.id
-        finally:
+        return ctx
+
+    def release_context(self, ctx_id: int) -> None:
+        """Release ``ctx_id`` here and on the workers it knows; the calling
+        thread leaves it if it is the thread's."""
+        active = getattr(_thread, "active", None)
+        if active is not None and active[0] is self and active[1] == ctx_id:
             _thread.active = None
-            self.release(ctx.id)
+        self.get(ctx_id)  # (unknown: the error says so)
+        self.release(ctx_id)
+
+    def current_context(self) -> AutogradContext:
+        """The calling thread's context (a handler's: the request's)."""
+        ctx_id = self.current()
+        if ctx_id is None:
+            raise RuntimeError(
+                "Current thread doesn't have a valid autograd context. Please wrap your "
+                "code using: `with torch.distributed.autograd.context() as context_id` "
+                "to generate a valid context (in nbrpc: `with "
+                "nbrpc.autograd.context() as context_id:`).")
+        return self.get(ctx_id)
+
+    def max_id(self) -> int:
+        """The largest id this worker can give a context or message."""
+        return (self.agent.rank << RANK_SHIFT) | ((1 << RANK_SHIFT) - 1)
+
+    def debug_info(self) -> dict[str, int]:
+        """PyTorch's two counters: backward passes in progress here (started
+        here and running, or with a stage running here now) and contexts."""
+        contexts = list(self.contexts.values())
+        running = set(self.waiters)
+        for ctx in contexts:
+            lp = ctx.running
+            running.update(p for p, q in list(ctx.passes.items()) if q is lp)
+        return {"num_current_backward_passes": len(running),
+                "num_autograd_contexts": len(contexts)}
 
     # -- the table ---------------------------------------------------------------------
     def get(self, ctx_id: int) -> AutogradContext:

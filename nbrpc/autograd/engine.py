@@ -94,6 +94,10 @@ class StageRecord:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
 
 
+RECV_NODE_NAME = "torch::distributed::autograd::RecvRpcBackward"
+SEND_NODE_NAME = "torch::distributed::autograd::SendRpcBackward"
+
+
 class RecvRpc(torch.autograd.Function):
     """The recv function of a message received in a distributed autograd
     context: its tensors become the outputs of one ``RecvRpcBackward`` node
@@ -123,6 +127,12 @@ class RecvRpc(torch.autograd.Function):
 
 
 RecvRpcBackward = RecvRpc._backward_cls
+# As PyTorch's C++ node shows itself to Python: ``name()`` (its type, and so
+# the ``grad_fn=<RecvRpcBackward>`` of a tensor's repr, keeps the short name),
+# and no ``next_functions`` (graph walkers never see the anchor; torch's own
+# engine follows the C++ edges, and this one stops at the node: next_edges)
+RecvRpcBackward.name = lambda self: RECV_NODE_NAME
+RecvRpcBackward.next_functions = property(lambda self: ())
 _ANCHOR = torch.empty(0, requires_grad=True)  # the recv nodes' one input (never reached)
 
 
@@ -142,7 +152,7 @@ def recv_tensors(ts: list[torch.Tensor]) -> Node:
     >>> a, b = torch.ones(2), torch.zeros(3)
     >>> node = recv_tensors([a, b])
     >>> node.name(), a.grad_fn is b.grad_fn is node, (a.output_nr, b.output_nr), a.is_leaf
-    ('RecvRpcBackward', True, (0, 1), False)
+    ('torch::distributed::autograd::RecvRpcBackward', True, (0, 1), False)
     """
     with torch.enable_grad():  # recorded whatever the receiving thread's mode
         out = RecvRpc.apply(_ANCHOR, tuple(ts))
@@ -168,7 +178,15 @@ def gradient_edge(t: torch.Tensor) -> GradientEdge:
     'torch::autograd::AccumulateGrad'
     """
     with torch.inference_mode(False):
-        return get_gradient_edge(t)
+        if t.layout is torch.strided:
+            return get_gradient_edge(t)
+        # sparse: no views, which get_gradient_edge makes; a clone's node
+        # leads to the same edge, and keeps the graph behind it alive as
+        # get_gradient_edge's view does (a Python node does not own it)
+        with torch.enable_grad():
+            keeper = t.clone().grad_fn
+        node, nr = keeper.next_functions[0]
+        return GradientEdge(node, nr, ownership_token=keeper)
 
 
 def edge(x: torch.Tensor | GradientEdge) -> tuple[Node, int]:
@@ -179,7 +197,19 @@ def edge(x: torch.Tensor | GradientEdge) -> tuple[Node, int]:
 
 
 def norm(g: torch.Tensor | None) -> float | None:
-    return None if g is None else float(torch.linalg.vector_norm(g.detach().double()))
+    """A gradient's 2-norm, for the records (a sparse one's: of its values).
+
+    >>> norm(torch.tensor([3.0, 4.0])), norm(torch.tensor([[0.0, 3.0], [4.0, 0.0]]).to_sparse())
+    (5.0, 5.0)
+    """
+    if g is None:
+        return None
+    g = g.detach()
+    if g.layout is torch.sparse_coo:
+        g = g.coalesce().values()  # (an index given twice: its values add up)
+    elif g.layout is not torch.strided:
+        g = g.values()
+    return float(torch.linalg.vector_norm(g.double()))
 
 
 class LocalPass:

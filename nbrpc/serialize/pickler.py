@@ -129,6 +129,8 @@ def _reduce_cpu(t: torch.Tensor, data: torch.Tensor, device: str | None = None) 
     """``t`` (as to autograd and type) with the elements of ``data``, a CPU tensor
     (``t`` itself, or its copy staged off a GPU), out of band; ``device``: where
     the receiver puts it (None: the CPU)."""
+    if data.layout in _SPARSE_PARTS:
+        return _reduce_sparse(t, data, device)
     if data.layout is not torch.strided or data.is_quantized:
         return t.__reduce_ex__(PROTOCOL)  # torch's own in-band pickling
     requires_grad, is_param, token = grad_meta(t)
@@ -146,6 +148,46 @@ def _reduce_cpu(t: torch.Tensor, data: torch.Tensor, device: str | None = None) 
         strides = _layout_to_restore(data)
     return _rebuild_numpy, (pickle.PickleBuffer(arr), arr.dtype.str, arr.shape, requires_grad,
                             is_param, token, strides, device)
+
+
+# A sparse tensor travels as its dense parts (each out of band, as any CPU
+# tensor) with its size and autograd metadata: torch's own pickling of one
+# drops ``requires_grad``, so distributed autograd would never see it (sparse
+# gradients, as an EmbeddingBag's, are the parameter server's common case).
+_SPARSE_PARTS: dict[torch.layout, Callable[[torch.Tensor], tuple[torch.Tensor, ...]]] = {
+    torch.sparse_coo: lambda t: (t._indices(), t._values()),
+    torch.sparse_csr: lambda t: (t.crow_indices(), t.col_indices(), t.values()),
+    torch.sparse_csc: lambda t: (t.ccol_indices(), t.row_indices(), t.values()),
+    torch.sparse_bsr: lambda t: (t.crow_indices(), t.col_indices(), t.values()),
+    torch.sparse_bsc: lambda t: (t.ccol_indices(), t.row_indices(), t.values()),
+}
+
+
+def _reduce_sparse(t: torch.Tensor, data: torch.Tensor, device: str | None) -> tuple:
+    """A sparse ``t`` (its elements: ``data``), for :func:`_rebuild_sparse`.
+
+    >>> i = torch.tensor([[0, 1], [1, 0]])
+    >>> s = torch.sparse_coo_tensor(i, torch.tensor([3.0, 4.0]), (2, 2), requires_grad=True,
+    ...                             check_invariants=True)
+    >>> r = loads(*dumps(s))
+    >>> r.layout, r.requires_grad, torch.equal(r.to_dense(), s.to_dense())
+    (torch.sparse_coo, True, True)
+    """
+    requires_grad, is_param, token = grad_meta(t)
+    d = data.detach()
+    coalesced = d.is_coalesced() if d.layout is torch.sparse_coo else None
+    return _rebuild_sparse, (d.layout, _SPARSE_PARTS[d.layout](d), tuple(d.shape), coalesced,
+                             requires_grad, is_param, token, device)
+
+
+def _rebuild_sparse(layout: torch.layout, parts: tuple[torch.Tensor, ...], size: tuple,
+                    coalesced: bool | None, requires_grad: bool, is_param: bool,
+                    token: Any = None, device: str | None = None) -> torch.Tensor:
+    if layout is torch.sparse_coo:
+        t = torch.sparse_coo_tensor(*parts, size, is_coalesced=coalesced, check_invariants=True)
+    else:
+        t = torch.sparse_compressed_tensor(*parts, size, layout=layout, check_invariants=True)
+    return finish_tensor(t, requires_grad, is_param, token, device)
 
 
 def _layout_to_restore(t: torch.Tensor) -> tuple[int, ...] | None:
