@@ -81,11 +81,15 @@ class RpcTimeoutError(NbrpcError, TimeoutError):
         self.timeout = timeout
         self.worker = worker
         where = f" on {worker!r}" if worker else ""
-        super().__init__(
-            f"{what}{where} ran for more than the set timeout ({timeout:g} s) and was "
-            "marked failed. Pass a larger timeout= (0 means no timeout), or check that "
-            "the worker is not blocked."
-        )
+        advice = ("Pass a larger timeout= (0 means no timeout), or check that the worker "
+                  "is not blocked.")
+        if what.startswith("RPC "):  # a call: PyTorch's phrase first (code matches on it)
+            text = (f"RPC ran for more than set timeout ({timeout * 1000:g} ms) and will now "
+                    f"be marked with an error ({what[4:]}{where}). {advice}")
+        else:
+            text = (f"{what}{where} ran for more than the set timeout ({timeout:g} s) and "
+                    f"was marked failed. {advice}")
+        super().__init__(text)
 
 
 class WorkerGoneError(NbrpcError, ConnectionError):

@@ -9,6 +9,7 @@ import re
 import threading
 import traceback
 
+import numpy as np
 import pytest
 import torch
 from test_magics import shell  # noqa: F401 - the in-process IPython shell fixture
@@ -178,3 +179,38 @@ def test_identical_functions_from_two_cells_keep_their_own_cell() -> None:
     assert fns[0].__code__ == fns[1].__code__  # (code objects compare without their file)
     rebuilt = [loads(dumps(f)[0], []) for f in fns]
     assert [f.__code__.co_filename for f in rebuilt] == names
+
+
+# -- PyTorch's phrase first: code written for torch.distributed.rpc matches on it --------
+def test_init_rpc_refusals_start_with_pytorchs_phrases(monkeypatch) -> None:
+    """What PyTorch's own tests match (TensorPipeAgentRpcTest): each refusal
+    before any agent starts, with its exception type, PyTorch's words, then
+    nbrpc's advice."""
+    import datetime
+
+    from nbrpc import rpc
+
+    monkeypatch.delenv("RANK", raising=False)
+    with pytest.raises(ValueError, match=r"^rank parameter missing: .*pass rank="):
+        rpc.init_rpc("x", rpc_backend_options=rpc.TensorPipeRpcBackendOptions(
+            init_method="tcp://127.0.0.1:1"))
+    with pytest.raises(ValueError, match="^environment variable RANK expected, but not set"):
+        rpc.init_rpc("x", rpc_backend_options=rpc.TensorPipeRpcBackendOptions(
+            init_method="env://"))
+    with pytest.raises(TypeError, match="must be a `TensorPipeRpcBackendOptions`"):
+        rpc.init_rpc("x", backend=rpc.BackendType.TENSORPIPE, rank=0, world_size=1,
+                     rpc_backend_options=rpc.RpcBackendOptions())
+    with pytest.raises(TypeError, match=r"incompatible constructor arguments.*total_seconds"):
+        rpc.TensorPipeRpcBackendOptions(rpc_timeout=datetime.timedelta(seconds=3))
+    assert rpc.TensorPipeRpcBackendOptions(rpc_timeout=np.int64(3)).rpc_timeout == 3.0
+
+
+def test_a_call_that_times_out_says_so_in_pytorchs_words() -> None:
+    from nbrpc.errors import RpcTimeoutError
+
+    e = RpcTimeoutError("RPC 'call'", 0.3, worker="w1")
+    assert isinstance(e, RuntimeError) and str(e).startswith(
+        "RPC ran for more than set timeout (300 ms) and will now be marked with an error "
+        "('call' on 'w1'). Pass a larger timeout=")
+    assert str(RpcTimeoutError("graceful shutdown", 60)).startswith(
+        "graceful shutdown ran for more than the set timeout (60 s)")

@@ -61,6 +61,7 @@ pytestmark = [pytest.mark.torch_suites, pytest.mark.timeout(150), pytest.mark.fl
 
 SUITES = [rpc_test.RpcTest, dist_autograd_test.DistAutogradTest,
           dist_autograd_test.TensorPipeAgentDistAutogradTest,  # (sparse tensors; the graph)
+          rpc_test.TensorPipeAgentRpcTest,  # (its options; sparse tensors; dynamic groups)
           dist_optimizer_test.DistOptimizerTest, remote_module_test.RemoteModuleTest,
           remote_module_test.ThreeWorkersRemoteModuleTest,
           parameter_server_test.ParameterServerTest,

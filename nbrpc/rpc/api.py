@@ -49,11 +49,13 @@ def init_rpc(
     if backend is not None and getattr(backend, "name", None) not in ("TENSORPIPE", "NBRPC"):
         raise ValueError(f"backend {backend!r} is not supported; nbrpc accepts "
                          f"{BackendType.TENSORPIPE} (or None)")
+    options = read_options(rpc_backend_options)
     if rank is None or rank < 0:
         rank = int(os.environ.get("RANK", -1))
-    if rank < 0:
-        raise ValueError("init_rpc needs rank >= 0 (pass rank=..., or set RANK)")
-    options = read_options(rpc_backend_options)
+    if rank < 0:  # PyTorch's phrase first (code matches on it)
+        missing = ("environment variable RANK expected, but not set"
+                   if options["init_method"].startswith("env://") else "rank parameter missing")
+        raise ValueError(f"{missing}: init_rpc needs rank >= 0 (pass rank=..., or set RANK)")
     threads, timeout = options.pop("num_worker_threads"), options["rpc_timeout"]
     init_method = options.pop("init_method")
     join_timeout = timeout if timeout > 0 else 60.0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import numbers
 import os
 from typing import Any
 
@@ -32,6 +33,12 @@ class BackendType(enum.Enum):
 class RpcBackendOptions:
     def __init__(self, rpc_timeout: float = DEFAULT_RPC_TIMEOUT_SEC,
                  init_method: str = DEFAULT_INIT_METHOD) -> None:
+        if isinstance(rpc_timeout, bool) or not isinstance(rpc_timeout, numbers.Real):
+            raise TypeError(  # PyTorch's (pybind's) phrase first
+                f"{type(self).__name__}(): incompatible constructor arguments: rpc_timeout "
+                f"is a number of seconds, not a {type(rpc_timeout).__name__}"
+                + (" (pass its .total_seconds())" if hasattr(rpc_timeout, "total_seconds")
+                   else ""))
         self.rpc_timeout = float(rpc_timeout)
         self.init_method = init_method
 
@@ -209,11 +216,17 @@ def check_backend(backend: Any, opts: Any) -> None:
             "Argument rpc_backend_options must be an instance of RpcBackendOptions, but got "
             f"a {type(opts).__name__}: pass TensorPipeRpcBackendOptions(init_method=..., "
             "...) instead.")
-    if backend is None and not _named_in_mro(opts, "TensorPipeRpcBackendOptions"):
+    if _named_in_mro(opts, "TensorPipeRpcBackendOptions"):
+        return
+    if backend is None:
         raise TypeError(
             f"Could not infer backend for options {type(opts).__name__}: nbrpc's backend "
             "takes TensorPipeRpcBackendOptions (nbrpc's or torch.distributed.rpc's); pass "
             "those, or pass backend=BackendType.TENSORPIPE explicitly.")
+    raise TypeError(
+        "`rpc_backend_options` must be a `TensorPipeRpcBackendOptions`. Got "
+        f"{type(opts)}: nbrpc's backend takes TensorPipeRpcBackendOptions (nbrpc's or "
+        "torch.distributed.rpc's).")
 
 
 def read_options(opts: Any) -> dict[str, Any]:
