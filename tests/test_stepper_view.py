@@ -11,7 +11,14 @@ import re
 import pytest
 import torch
 from conftest import local_group, poll_for
-from test_autograd_inprocess import acting_as, explode, make_param, tanh_mm
+from test_autograd_inprocess import (
+    acting_as,
+    explode,
+    make_embedding,
+    make_param,
+    tanh_mm,
+    weight_of,
+)
 
 from nbrpc import autograd as dist_autograd
 from nbrpc.jupyter import stepper_graph, stepper_view
@@ -148,6 +155,29 @@ def test_run_shows_final_gradients_equal_to_backward_and_to_local_pytorch(chain)
 
 def grad_in(ctx: int, w: RRef) -> torch.Tensor:
     return dist_autograd.get_gradients(ctx)[w.local_value()]
+
+
+def bags(idx: torch.Tensor, emb: RRef) -> torch.Tensor:
+    return emb.local_value()(idx, torch.tensor([0, 2]))
+
+
+def test_a_sparse_gradient_is_checked_and_its_norm_shown(group) -> None:
+    """An EmbeddingBag's sparse gradient (on b): the final check compares it
+    with local PyTorch's and the panel shows its norm (of its values)."""
+    emb = remote("b", make_embedding, (4,))
+    idx = torch.tensor([0, 2, 2, 5])
+    el = emb.to_here()
+    (el(idx, torch.tensor([0, 2])) ** 2).sum().backward()
+    weight = rpc_sync("b", weight_of, (emb,))
+    with dist_autograd.context() as ctx:
+        y = rpc_sync("b", bags, (idx, emb))
+        stepper = dist_autograd.backward_stepper(ctx, [(y ** 2).sum()])
+        view = StepperView(stepper, expected={weight: el.weight.grad}, names={weight: "emb"})
+        view.on_control("run")
+        (check,) = view.state.check
+        assert check["equal"] is True and check["name"] == "emb"
+        assert check["norm"] == pytest.approx(float(el.weight.grad.coalesce().values().norm()))
+        view.close()
 
 
 def test_reset_starts_the_same_pass_over_without_doubling_gradients(chain) -> None:

@@ -66,11 +66,11 @@ class StepperState:
 
         from ..autograd.engine import norm
 
-        here = next((d["worker"] for d in self.graph["workers"].values() if d["roots"]), "")
-        out = []
         def dense(t: Any) -> Any:  # (a sparse gradient, as an EmbeddingBag's)
             return t if t is None or t.layout is torch.strided else t.to_dense()
 
+        here = next((d["worker"] for d in self.graph["workers"].values() if d["roots"]), "")
+        out = []
         for i, (leaf, want) in enumerate(list(self.expected.items())[:MAX_ROWS * 5]):
             got = self.stepper.gradient_of(leaf)
             name = self.names.get(leaf) or _leaf_name(leaf, want, i)
