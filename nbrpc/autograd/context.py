@@ -33,15 +33,7 @@ from torch.autograd.graph import GradientEdge, Node
 
 from ..agent import Agent, MessageContext, Propagator
 from ..errors import WorkerGoneError
-from .engine import (
-    SEND_NODE_NAME,
-    LocalPass,
-    StageRecord,
-    gets_recv_node,
-    gradient_edge,
-    norm,
-    recv_tensors,
-)
+from .engine import LocalPass, StageRecord, gets_recv_node, gradient_edge, norm, recv_tensors
 from .messages import Release
 
 log = logging.getLogger(__name__)
@@ -74,7 +66,7 @@ class SendFn:
     edges: list[GradientEdge] = field(default_factory=list)
 
     def name(self) -> str:
-        return SEND_NODE_NAME
+        return "torch::distributed::autograd::SendRpcBackward"  # PyTorch's C++ name
 
     @property
     def next_functions(self) -> tuple[tuple[Node, int], ...]:

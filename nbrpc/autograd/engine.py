@@ -94,8 +94,7 @@ class StageRecord:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
 
 
-RECV_NODE_NAME = "torch::distributed::autograd::RecvRpcBackward"
-SEND_NODE_NAME = "torch::distributed::autograd::SendRpcBackward"
+RECV_NODE_NAME = "torch::distributed::autograd::RecvRpcBackward"  # PyTorch's C++ name
 
 
 class RecvRpc(torch.autograd.Function):
