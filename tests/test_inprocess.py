@@ -408,6 +408,28 @@ def test_dynamic_group_members_join_and_leave() -> None:
             w1.rpc_async("w2", whoami)  # a former member: named, and why
 
 
+def test_dynamic_group_outlives_its_coordinator_leaving() -> None:
+    """Rank 0 leaving a dynamic group on purpose is a leave, not a death: the
+    others hear why, do not try to rejoin it, and keep calling each other."""
+    fast = {"heartbeat_interval": 0.2, "failure_timeout": 1.0}
+    with local_group(["lead", "w1", "w2"], dynamic=True, **fast) as (lead, w1, w2):
+        lead.shutdown()
+        assert poll_for(lambda: "lead" not in w1.members.by_name
+                        and "lead" not in w2.members.by_name)
+        for agent in (w1, w2):
+            kinds = [e["event"] for e in agent.events.records(50)]
+            assert "member-left" in kinds and "member-dead" not in kinds, kinds
+        with pytest.raises(WorkerGoneError, match="'lead' left the group"):
+            w1.rpc_async("lead", whoami)
+        time.sleep(3 * fast["failure_timeout"] / 2)  # no heartbeat expected, none missed
+        assert w1.rpc_async("w2", whoami).wait() == "w2"
+        assert w2.rpc_async("w1", whoami).wait() == "w1"
+        assert w1.control.readmitted == w2.control.readmitted == 0
+        t0 = time.monotonic()
+        w1.shutdown()
+        assert time.monotonic() - t0 < 0.3  # (it waited 0.5 s on a Join to the dead address)
+
+
 class _LeavesWhilePickled:
     """An argument whose pickling lets ``agent`` (the callee) leave the group and
     waits until the caller ``seen_by`` has removed it: the callee is gone after

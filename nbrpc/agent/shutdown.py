@@ -7,7 +7,11 @@ after the upper layers' shutdown hooks): each round this member waits until
 it has no call of its own outstanding, then reports its counters
 (:class:`~.messages.DrainReport`) to the coordinator, whose
 :class:`~.group.Coordinator` decides when the whole group is quiet (the
-termination check is there, as pure state). A group that falls apart while
+termination check is there, as pure state). A dynamic group's members leave
+one at a time, as PyTorch's do, without drain rounds: each waits for its own
+calls, then tells the coordinator (``Leave``), which tells the others
+(``MemberLeft``). The coordinator's own leave is told to all the others, who
+stay a group without it (no new member can join then). A group that falls apart while
 waiting cuts the shutdown short (:meth:`Shutdown.cut_short`); every wait is
 bounded by the shutdown's deadline.
 """
@@ -24,7 +28,7 @@ from typing import Any
 
 from ..errors import RpcTimeoutError
 from . import gcfreeze
-from .messages import DrainReport, Leave
+from .messages import DrainReport, Leave, MemberLeft
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +77,9 @@ class Shutdown:
                     self._wait_local_idle(deadline, limit, busy=True)
                     if self.rank != 0:
                         agent.control.send(0, Leave(self.rank))
+                    else:  # the members stay a group: they hear a leave, not a death
+                        agent.control.send_all([(r, MemberLeft(0, False, "left the group"))
+                                                for r in self.members.ranks() if r != 0])
                 else:  # every member runs both drains, so the rounds line up
                     self._drain_group(deadline, limit)
                     self._run_shutdown_hooks(leak_check)
