@@ -18,12 +18,30 @@ from torch import nn
 from nbrpc import autograd as dist_autograd
 from nbrpc.agent import current_agent
 from nbrpc.agent.agent import _local
+from nbrpc.autograd import engine
 from nbrpc.errors import BackwardStageError, RpcTimeoutError
 from nbrpc.nn import RemoteModule
 from nbrpc.optim import DistributedOptimizer
 from nbrpc.rpc import RRef, remote, rpc_async, rpc_sync
 
-MODES = ["normal", "step"]
+# normal and step mode; and each again in native mode (where a process has a
+# torch.distributed group: leaves' AccumulateGrad and recv nodes run in
+# PyTorch's engine on staged .grad), forced here without a process group
+MODES = ["normal", "step", "native", "native-step"]
+
+
+@pytest.fixture(autouse=True)
+def _native_mode(request, monkeypatch) -> Iterator[None]:
+    callspec = getattr(request.node, "callspec", None)
+    if callspec is None or not str(callspec.params.get("mode", "")).startswith("native"):
+        yield
+        return
+    monkeypatch.setattr(engine, "c10d_active", lambda: True)
+    ran, run = [], engine.LocalPass._run_native
+    monkeypatch.setattr(engine.LocalPass, "_run_native",
+                        lambda self, *a: ran.append(1) or run(self, *a))
+    yield
+    assert ran, "the pass did not run in native mode"
 
 
 @contextlib.contextmanager
@@ -70,7 +88,7 @@ def context_ids_here() -> set[int]:
 
 
 def backward(mode: str, ctx: int, roots: list, retain_graph: bool = False) -> list:
-    if mode == "normal":
+    if mode in ("normal", "native"):
         dist_autograd.backward(ctx, roots, retain_graph=retain_graph)
         return []
     stepper = dist_autograd.backward_stepper(ctx, roots, retain_graph=retain_graph)
@@ -103,7 +121,7 @@ def test_three_hop_chain(group, mode: str) -> None:
     assert torch.allclose(gx, xl.grad) and torch.allclose(gb, bl.grad)
     assert torch.allclose(gc, cl.grad)
     assert x.grad is None
-    if mode == "step":  # a, b, c, b, a: each stage one worker's local run
+    if mode.endswith("step"):  # a, b, c, b, a: each stage one worker's local run
         assert [r["worker"] for r in records] == ["a", "b", "c", "b", "a"]
         assert records[2]["nodes"][:2] == ["TanhBackward0", "MmBackward0"]
         assert records[2]["trigger"].endswith("from b")
@@ -125,7 +143,7 @@ def test_fan_out_to_three_workers(group, mode: str) -> None:
     assert torch.allclose(gx, xl.grad)
     for w in "bcd":
         assert torch.allclose(grads[w], wl[w].grad)
-    if mode == "step":  # x's accumulator on a ran once, after all three answered
+    if mode.endswith("step"):  # x's accumulator on a ran once, after all three answered
         final = [r for r in records if r["worker"] == "a" and r["gradients"]]
         assert len(final) == 1 and sum(r["worker"] == "a" for r in records) == 4
 

@@ -62,3 +62,11 @@ def test_batch_rpc_runs_batched_and_unbatched_and_learns() -> None:
     assert len(runs) == 2, out            # one training log per mode, batched first
     batched = [float(r) for r in re.findall(r"Average reward: ([\d.]+)", runs[0])]
     assert len(batched) == 8 and batched[-1] > batched[0], out
+
+
+def test_ddp_with_rpc_averages_the_dense_gradients_in_the_context() -> None:
+    out = _run("07_ddp_rpc.py", "--epochs", "8")
+    assert "the dense layer's gradient was the trainers' mean at every step" in out, out
+    found = re.findall(r"trainer(\d): loss ([\d.]+) -> ([\d.]+)", out)
+    assert sorted(int(t) for t, _, _ in found) == [0, 1], out
+    assert all(float(last) < float(first) for _, first, last in found), out

@@ -2,11 +2,14 @@
 
 The suites ship inside the torch wheel (``torch/testing/_internal/distributed``):
 ``RpcTest``, ``DistAutogradTest``, ``DistOptimizerTest``, ``RemoteModuleTest``,
-``ThreeWorkersRemoteModuleTest``, ``ParameterServerTest`` and
-``ReinforcementLearningRpcTest``. Each class here is one of them mixed, as
+``ThreeWorkersRemoteModuleTest``, ``ParameterServerTest``,
+``ReinforcementLearningRpcTest``, and ``DdpUnderDistAutogradTest`` and
+``DdpComparisonTest`` (DistributedDataParallel under distributed autograd,
+with gloo process groups). Each class here is one of them mixed, as
 PyTorch's ``rpc_utils.generate_tests`` mixes them, with a fixture for the agent
 (here nbrpc, started through ``init_rpc`` with PyTorch's ``file://`` init) and
-``MultiProcessTestCase``: every test runs in 4 processes (world size 4), each
+``MultiProcessTestCase``: every test runs in 4 processes (world size 4; 6 for
+``DdpUnderDistAutogradTest``), each
 calling ``init_rpc``, the test body and ``shutdown`` as PyTorch's ``dist_init``
 does.
 
@@ -40,6 +43,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 import torch_suites  # noqa: E402
 from torch.testing._internal.common_distributed import MultiProcessTestCase  # noqa: E402
+from torch.testing._internal.distributed import ddp_under_dist_autograd_test  # noqa: E402
 from torch.testing._internal.distributed.nn.api import remote_module_test  # noqa: E402
 from torch.testing._internal.distributed.rpc import (  # noqa: E402
     dist_autograd_test,
@@ -65,7 +69,9 @@ SUITES = [rpc_test.RpcTest, dist_autograd_test.DistAutogradTest,
           dist_optimizer_test.DistOptimizerTest, remote_module_test.RemoteModuleTest,
           remote_module_test.ThreeWorkersRemoteModuleTest,
           parameter_server_test.ParameterServerTest,
-          reinforcement_learning_rpc_test.ReinforcementLearningRpcTest]
+          reinforcement_learning_rpc_test.ReinforcementLearningRpcTest,
+          ddp_under_dist_autograd_test.DdpUnderDistAutogradTest,
+          ddp_under_dist_autograd_test.DdpComparisonTest]
 
 # PyTorch's CUDA RPC tests, where this host has a GPU (``make test-gpu``): those
 # that need more GPUs than it has are left out, with that reason.

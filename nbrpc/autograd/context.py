@@ -147,7 +147,8 @@ class AutogradContext:
             lp = self.passes[pass_id] = LocalPass(
                 worker, {m: s.edges for m, s in self.sends.items()},
                 {m: (r.peer, r.ends) for m, r in self.recvs.items()}, self.accumulate,
-                roots=roots, retain_graph=retain_graph, names=self.leaf_name, norms=norms)
+                roots=roots, retain_graph=retain_graph, names=self.leaf_name, norms=norms,
+                grads=self.grads)
         return lp
 
     def received(self, t: torch.Tensor) -> bool:

@@ -42,17 +42,29 @@ the gradient its receiver computes. ::
 A node waiting on a send function that never gets a gradient (a tensor sent
 but not used in the loss) stays blocked; :meth:`LocalPass.flush` runs such
 nodes with what they have, once the rest of the pass is over.
+
+Native mode, where this process has a ``torch.distributed`` process group:
+DistributedDataParallel (and other c10d libraries) hook a parameter's
+``AccumulateGrad`` node in C++, where Python can neither see nor call the
+hook; it reads and writes the gradient through ``.grad`` (PyTorch's own
+engine hands it the context's instead). So there the ends of a stage run in
+PyTorch's engine, a leaf's ``AccumulateGrad`` with every hook, on ``.grad`` set
+to the leaf's gradient in the context for the stage (:meth:`LocalPass._staged`),
+and a recv node's backward hands its gradients over instead of raising. DDP
+then averages the context's gradients across its replicas during the pass, as
+it does under PyTorch's distributed autograd.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import heapq
 import itertools
 import math
 import threading
 from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -113,10 +125,14 @@ class RecvRpc(torch.autograd.Function):
         # with this node as their grad_fn (no views, no copies); ``anchor``
         # makes the node record (a Function records only with an input that
         # requires grad)
+        ctx.set_materialize_grads(False)  # an output the loss does not use: None
         return box
 
     @staticmethod
-    def backward(ctx: Any, *grads: torch.Tensor) -> None:
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[None, None]:
+        if ctx in _RECV_SINK:  # run by PyTorch's engine for a pass (native mode)
+            _RECV_SINK[ctx] = grads
+            return None, None
         raise RuntimeError(
             "this tensor was received over RPC inside a distributed autograd context: its "
             "gradient goes back to the worker that sent it only in a distributed backward "
@@ -126,6 +142,9 @@ class RecvRpc(torch.autograd.Function):
 
 
 RecvRpcBackward = RecvRpc._backward_cls
+# recv nodes a pass has PyTorch's engine run (native mode): node -> the
+# gradients its backward got (None until it runs); any other run raises
+_RECV_SINK: dict[Node, tuple | None] = {}
 # As PyTorch's C++ node shows itself to Python: ``name()`` (its type, and so
 # the ``grad_fn=<RecvRpcBackward>`` of a tensor's repr, keeps the short name),
 # and no ``next_functions`` (graph walkers never see the anchor; torch's own
@@ -238,8 +257,19 @@ class LocalPass:
                  accumulate: Callable[[torch.Tensor, torch.Tensor], None],
                  roots: list[torch.Tensor] | None = None, retain_graph: bool = False,
                  names: Callable[[torch.Tensor], str] | None = None,
-                 norms: bool = True, by_engine: bool | None = None) -> None:
+                 norms: bool = True, by_engine: bool | None = None,
+                 grads: dict[torch.Tensor, torch.Tensor] | None = None,
+                 native: bool | None = None) -> None:
         self.worker, self.retain_graph = worker, retain_graph
+        # native mode (see "Native mode" in the module docstring): leaves'
+        # AccumulateGrad nodes run in PyTorch's engine, on .grad set to the
+        # context's gradient (``grads``) for the stage; by default where this
+        # process has a torch.distributed process group (DDP's hooks)
+        if native is None:
+            native = grads is not None and c10d_active()
+        elif native and grads is None:
+            raise ValueError("native mode keeps the context's gradients: pass grads=")
+        self._native, self._grads = native, grads
         # gradient norms in the records (step mode); a norm of a large gradient
         # costs as much as a small matmul, so normal mode leaves them out
         self._norm = norm if norms else (lambda g: None)
@@ -287,6 +317,10 @@ class LocalPass:
                 self._recv_left[m] = len(reach)
                 for i, (node, nr) in reach:
                     self._recv_of.setdefault(node, []).append((nr, m, i))
+        # native mode: every leaf's AccumulateGrad the pass can reach (a received
+        # Parameter's too), staged for each stage; those a stage ran
+        self._leaf_nodes = [n for n in seen if _is_leaf(n)] if native else []
+        self._touched: list[Node] = []
         self._buffers: dict[Node, dict[int, torch.Tensor | None]] = {}
         self._ready: list[tuple[int, int, Node]] = []
         self._tie = itertools.count()
@@ -351,7 +385,8 @@ class LocalPass:
         Returns its record and the gradients to send to other workers."""
         record, outbox = StageRecord(self.worker, trigger), []
         self.stages += 1
-        self._drain(record, outbox)
+        with self._staged(record):
+            self._drain(record, outbox)
         return self._close(record, outbox)
 
     def flush(self) -> tuple[StageRecord, list[Outgoing]]:
@@ -359,15 +394,52 @@ class LocalPass:
         (a send function they wait for will never get a gradient)."""
         record, outbox = StageRecord(self.worker, "flush"), []
         self.stages += 1
-        for _ in range(len(self.deps) + 1):  # bounded: each round runs >= 1 node
-            waiting = [n for n in self._buffers if self.deps.get(n, 0) > 0]
-            if not waiting:
-                break
-            node = max(waiting, key=lambda n: n._sequence_nr())  # upstream first
-            self.deps[node] = 0
-            self._push(node)
-            self._drain(record, outbox)
+        with self._staged(record):
+            for _ in range(len(self.deps) + 1):  # bounded: each round runs >= 1 node
+                waiting = [n for n in self._buffers if self.deps.get(n, 0) > 0]
+                if not waiting:
+                    break
+                node = max(waiting, key=lambda n: n._sequence_nr())  # upstream first
+                self.deps[node] = 0
+                self._push(node)
+                self._drain(record, outbox)
         return self._close(record, outbox)
+
+    @contextlib.contextmanager
+    def _staged(self, record: StageRecord) -> Iterator[None]:
+        """Native mode: for the stage, each leaf's ``.grad`` is its gradient in
+        the context (a received Parameter's: None), so that its
+        ``AccumulateGrad`` adds to that and hooks reading ``.grad`` (DDP's)
+        read and write that; afterwards the context takes what ``.grad`` holds
+        and the leaf gets its own back. Every leaf of the pass, not only those
+        the stage reaches: DDP averages all of a module's gradients in the
+        stage where the last arrives, writing the others' too. One stage (or
+        DistributedOptimizer step) at a time per process (``GRAD_STAGING``):
+        two contexts' passes may share leaves."""
+        if not self._native:
+            yield
+            return
+        grads = self._grads
+        with GRAD_STAGING:
+            own = [(n, n.variable.grad) for n in self._leaf_nodes]
+            for node, _ in own:
+                node.variable.grad = None if node in self._recv_of else grads.get(node.variable)
+            try:
+                yield
+            finally:
+                for node, mine in own:
+                    leaf = node.variable
+                    g = leaf.grad
+                    leaf.grad = mine
+                    if g is not None and node not in self._recv_of:
+                        grads[leaf] = g
+                touched, self._touched = self._touched, []
+                for node in dict.fromkeys(touched):
+                    g = grads.get(node.variable)
+                    if g is not None:
+                        record.gradients.append({"leaf": self._name(node.variable),
+                                                 "shape": list(node.variable.shape),
+                                                 "norm": self._norm(g)})
 
     @torch.no_grad()  # as PyTorch's engine without create_graph
     def _drain(self, record: StageRecord, outbox: list[Outgoing]) -> None:
@@ -381,7 +453,11 @@ class LocalPass:
             buf = self._buffers.pop(node, {})
             record.nodes.append(type(node).__name__)
             if _is_end(node):
-                self._end(node, buf, record, outbox)
+                if self._native:
+                    slots = sorted(nr for nr, g in buf.items() if g is not None)
+                    buf = self._run_native([GradientEdge(node, nr) for nr in slots],
+                                           [buf[nr] for nr in slots], [node])[node]
+                self._end(node, buf, record, outbox, hooked=self._native)
                 continue
             given = _call(node, buf, self.retain_graph)
             ids = [id(g) for g in given if g is not None]
@@ -434,6 +510,11 @@ class LocalPass:
                 ends.append(node)
         if not ends:
             return
+        if self._native:
+            bufs = self._run_native(edges, grads, ends)
+            for node in ends:
+                self._end(node, bufs[node], record, outbox, hooked=True)
+            return
         captures = tuple(GradientEdge(n, nr) for n in ends
                          for nr in range(len(n._input_metadata)))
         if edges:
@@ -449,6 +530,38 @@ class LocalPass:
             self._end(node, dict(enumerate(got[at:at + n])), record, outbox, hooked=True)
             at += n
         self._shared.clear()
+
+    def _run_native(self, edges: list[GradientEdge], grads: list[torch.Tensor],
+                    ends: list[Node]) -> dict[Node, dict[int, torch.Tensor | None]]:
+        """Native mode: PyTorch's engine runs from ``edges`` (with ``grads``) to
+        ``ends``, and runs them as in a local ``backward()``: a leaf's
+        ``AccumulateGrad`` adds to its staged ``.grad`` with every hook of the
+        leaf and of the node (C++ ones: DDP's), a recv node's backward hands
+        its gradients over (``_RECV_SINK``), after its hooks. Returns, per end,
+        the gradients the pass takes on from it: a recv node's, a received
+        Parameter's (its ``.grad``, reset), none for a leaf of this worker (the
+        context takes its ``.grad`` at the end of the stage)."""
+        recvs = [n for n in ends if type(n) is RecvRpcBackward]
+        for n in recvs:
+            _RECV_SINK[n] = None
+        try:
+            if edges:
+                inputs = tuple(GradientEdge(n, nr) for n in ends
+                               for nr in range(len(n._input_metadata)))
+                _ENGINE.run_backward(tuple(edges), tuple(grads), self.retain_graph, False,
+                                     inputs, True, True)
+        finally:
+            got = {n: _RECV_SINK.pop(n, None) for n in recvs}
+        bufs: dict[Node, dict[int, torch.Tensor | None]] = {}
+        for n in ends:
+            if n in got:
+                bufs[n] = dict(enumerate(got[n] or ()))
+            elif n in self._recv_of:  # a received Parameter: back to its sender
+                leaf = n.variable
+                bufs[n], leaf.grad = {0: leaf.grad}, None
+            else:
+                bufs[n] = {}
+        return bufs
 
     def _close(self, record: StageRecord,
                outbox: list[Outgoing]) -> tuple[StageRecord, list[Outgoing]]:
@@ -481,7 +594,7 @@ class LocalPass:
         if not hooked and any(g is not None for g in grads):
             grads = (_tensor_pre_hooks(node, grads) if is_recv
                      else [_leaf_hooks(node.variable, grads[0])])
-        pre, post = _hook_tables(node) if is_recv else ({}, {})
+        pre, post = _hook_tables(node) if is_recv and not self._native else ({}, {})
         if pre:
             grads = list(_run_hooks(pre, tuple(grads)))
         for nr, m, i in points:
@@ -497,7 +610,11 @@ class LocalPass:
         """As PyTorch's DistAccumulateGradCaptureHook: the leaf's tensor hooks
         (unless ``hooked``), the node's pre-hooks, the gradient into the
         context, its post hooks (called with no outputs and the gradient, even
-        an undefined one)."""
+        an undefined one). Native mode: the node ran in PyTorch's engine, all
+        of that done; the context takes the result at the end of the stage."""
+        if self._native:
+            self._touched.append(node)
+            return
         leaf = node.variable
         if g is not None and not hooked:
             g = _leaf_hooks(leaf, g)
@@ -598,6 +715,20 @@ def _check_not_released(node: Node) -> None:
 _HOOKS = "nbrpc_hooks"
 _ENGINE = torch.autograd.Variable._execution_engine
 _PROBING = threading.Lock()
+# Who sets leaves' .grad to a context's gradients for a while (a native-mode
+# stage, LocalPass._staged; DistributedOptimizer's step): one at a time per process
+GRAD_STAGING = threading.RLock()
+
+
+def c10d_active() -> bool:
+    """Whether this process has a ``torch.distributed`` process group, so that
+    libraries built on it (DDP) may have put C++ hooks on leaves' nodes.
+
+    >>> c10d_active()
+    False
+    """
+    dist = torch.distributed
+    return dist.is_available() and dist.is_initialized()
 
 
 def _noop(*args: Any) -> None:

@@ -17,6 +17,7 @@ import torch
 
 from .. import autograd as dist_autograd
 from ..agent import Agent, current_agent
+from ..autograd.engine import GRAD_STAGING
 from ..errors import CompositeError
 from ..rref import RRef
 
@@ -38,7 +39,8 @@ class _LocalOptimizer:
         """``.grad`` is set to the context's gradients for the step only, then
         restored: parameters without a gradient in the context are skipped."""
         grads = dist_autograd.get_gradients(context_id)
-        with _owner_lock(current_agent()):
+        # (and no backward stage sets .grad meanwhile: engine.GRAD_STAGING)
+        with _owner_lock(current_agent()), GRAD_STAGING:
             saved = [p.grad for p in self.params]
             try:
                 for p in self.params:
