@@ -345,6 +345,21 @@ def test_pytorchs_private_context_api_shows_the_graph(group) -> None:
         dist_autograd._release_context(new._context_id())
 
 
+def tripled_sum(p: torch.Tensor) -> torch.Tensor:
+    assert isinstance(p, nn.Parameter) and p.is_leaf  # a leaf on the receiver too
+    return (p * 3).sum()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_sent_parameter_gets_its_gradient_back(group, mode: str) -> None:
+    p = nn.Parameter(torch.tensor([1.0, 2.0]))
+    p.grad = mine = torch.ones(2)
+    with dist_autograd.context() as ctx:
+        backward(mode, ctx, [rpc_sync("b", tripled_sum, (p,)) * 2])
+        assert torch.equal(dist_autograd.get_gradients(ctx)[p], torch.full((2,), 6.0))
+    assert p.grad is mine and torch.equal(mine, torch.ones(2))
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_values_fetched_with_to_here_and_rref_proxies(group, mode: str) -> None:
     wb = remote("b", make_param, (5, 3))

@@ -421,10 +421,13 @@ class LocalPass:
             return
         grads = self._grads
         with GRAD_STAGING:
-            own = [(n, n.variable.grad) for n in self._leaf_nodes]
-            for node, _ in own:
-                node.variable.grad = None if node in self._recv_of else grads.get(node.variable)
+            own: list[tuple[Node, torch.Tensor | None]] = []  # (node, the leaf's .grad)
             try:
+                for node in self._leaf_nodes:
+                    leaf = node.variable
+                    mine = leaf.grad
+                    leaf.grad = None if node in self._recv_of else grads.get(leaf)
+                    own.append((node, mine))
                 yield
             finally:
                 for node, mine in own:
