@@ -64,7 +64,11 @@ What is measured (rank 0 calling rank 1 over loopback):
    nodes is most of the work: the same iteration through a model of
    ``autograd_depth`` layers of ``Linear(64, 64)`` and ``tanh`` built on rank 1
    (``y = rpc_sync(PEER, mlp_rref, args=(x, mlp_rref))``, x 32×64), against
-   the same model in one process.
+   the same model in one process. And with DistributedDataParallel: the
+   caller's ``DDP(Linear(n, n))`` (a gloo group of one, made for the
+   measurement and destroyed after) feeds the same call, ``y = rpc_sync(PEER,
+   matmul_rref, args=(ddp(x), w_rref))``; DDP's hooks run inside the pass (in
+   nbrpc: the engine's native mode). Checked once: the layer's weight gradient.
 9. Tracing (nbrpc only; torch has no equivalent, so its column repeats its
    untraced figure and the ratio is traced nbrpc over plain torch): 1. and 2.
    again inside ``nbrpc.debug.trace()``, and the time the block's exit takes to
@@ -517,6 +521,45 @@ def bench_autograd_deep(rpc: Any, lib: str, cfg: Config,
     return {"autograd_deep_ms": statistics.median(samples) * 1e3}
 
 
+def bench_autograd_ddp(rpc: Any, lib: str, cfg: Config,
+                       failures: list[str]) -> dict[str, float]:
+    """``cfg.autograd`` iterations of a context, ``y = rpc_sync(PEER,
+    matmul_rref, args=(ddp(x), w_rref))`` with ``ddp`` a DistributedDataParallel
+    Linear(n, n) here, and ``backward(ctx, [y.sum()])``. Checked once after
+    timing: the Linear's weight gradient in the context."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    dist_autograd = importlib.import_module(AUTOGRAD_MODULES[lib][0])
+    n = cfg.autograd_n
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(n, n, generator=gen)
+    w_rref = rpc.remote(PEER, _targets.new_weight, args=(n, 1))
+    w = w_rref.to_here().detach()  # built before the clock starts
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        ddp = DistributedDataParallel(torch.nn.Linear(n, n))
+
+        def iteration(check: bool = False) -> dict:
+            with dist_autograd.context() as ctx:
+                y = rpc.rpc_sync(PEER, _targets.matmul_rref, args=(ddp(x), w_rref))
+                dist_autograd.backward(ctx, [y.sum()])
+                return dist_autograd.get_gradients(ctx) if check else {}
+
+        samples = time_calls(iteration, *cfg.autograd, failures)
+        grads = iteration(check=True)
+        weight = ddp.module.weight
+        with torch.no_grad():  # d(sum((x Aᵀ + b) W))/dA = (1 Wᵀ)ᵀ x
+            _check_close("the DDP layer's weight gradient", grads.get(weight),
+                         (torch.ones(n, n) @ w.T).T @ x)
+        if weight.grad is not None:
+            raise AssertionError("the DDP layer's .grad was set by a distributed backward")
+    finally:
+        dist.destroy_process_group()
+    return {"autograd_ddp_ms": statistics.median(samples) * 1e3}
+
+
 def bench_autograd_local(cfg: Config, failures: list[str]) -> dict[str, float]:
     """The reference: the same two computations in this process, no RPC."""
     n, lr = cfg.autograd_n, cfg.autograd_lr
@@ -595,6 +638,8 @@ def measure(rpc: Any, lib: str, cfg: Config, rec: dict[str, Any],
              lambda f: bench_autograd(rpc, lib, cfg, f, optimizer=True)),
             ("dist autograd through a deep model", sum(cfg.autograd) + 1,
              lambda f: bench_autograd_deep(rpc, lib, cfg, f)),
+            ("dist autograd with DDP", sum(cfg.autograd) + 1,
+             lambda f: bench_autograd_ddp(rpc, lib, cfg, f)),
         ]
     if "cuda" in cfg.cases:
         for label, reps in cfg.cuda_echo.items():
@@ -943,6 +988,9 @@ def build_rows(nb: dict[str, Any], tc: dict[str, Any], cfg: Config,
                 *metric("autograd_deep_ms"), fmt="{:.2f}"),
             Row("… the same in one process, no RPC (ms/iter)",
                 *both("autograd_deep_local_ms"), fmt="{:.2f}", ratio_ok=False),
+            Row(f"dist autograd: rpc_sync(DDP(Linear({n}, {n}))(x) @ W) + backward, DDP "
+                "in a gloo group of one, median (ms/iter)",
+                *metric("autograd_ddp_ms"), fmt="{:.2f}"),
         ]
     if "cuda" in cfg.cases:
         def cuda(key: str) -> tuple[float | None, float | None]:

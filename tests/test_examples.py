@@ -65,7 +65,7 @@ def test_batch_rpc_runs_batched_and_unbatched_and_learns() -> None:
 
 
 def test_ddp_with_rpc_averages_the_dense_gradients_in_the_context() -> None:
-    out = _run("07_ddp_rpc.py", "--epochs", "8")
+    out = _run("07_ddp_rpc.py", "--epochs", "4")
     assert "the dense layer's gradient was the trainers' mean at every step" in out, out
     found = re.findall(r"trainer(\d): loss ([\d.]+) -> ([\d.]+)", out)
     assert sorted(int(t) for t, _, _ in found) == [0, 1], out
