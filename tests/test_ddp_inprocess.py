@@ -65,18 +65,24 @@ def _local_grads(model: nn.Module, wb: torch.Tensor, x: torch.Tensor) -> dict[st
     return {n: p.grad for n, p in params.items()}
 
 
-def test_ddp_hooks_run_on_the_contexts_gradients_in_every_stage(group) -> None:
-    wb = remote("b", make_param, (1, 3, 2))
+def doubling_ddp(seed: int) -> tuple[Sandwich, DDP, torch.Tensor, dict[str, torch.Tensor]]:
+    """A Sandwich under DDP with the doubling hook, an input, and the local
+    gradients its parameters should get (before doubling)."""
+    wb = remote("b", make_param, (seed, 3, 2))
     model = Sandwich(wb)
     ddp = DDP(model)
     ddp.register_comm_hook(None, doubled)
-    x = make_param(0, 5, 4).detach()
-    expected = _local_grads(model, wb.to_here().detach(), x)
+    x = make_param(seed + 10, 5, 4).detach()
+    return model, ddp, x, _local_grads(model, wb.to_here().detach(), x)
+
+
+def test_ddp_hooks_run_on_the_contexts_gradients_in_every_stage(group) -> None:
+    model, ddp, x, expected = doubling_ddp(1)
     for _ in range(2):  # the reducer is ready for a second iteration
         with dist_autograd.context() as ctx:
             dist_autograd.backward(ctx, [ddp(x).sum()])
             got = dist_autograd.get_gradients(ctx)
-            assert rpc_sync("b", _grad_of, (ctx, wb)) is not None
+            assert rpc_sync("b", _grad_of, (ctx, model.wb)) is not None  # (b's W)
         for name, p in model.named_parameters():
             assert torch.allclose(got[p], 2 * expected[name]), name
             assert p.grad is None  # the context's, not .grad
@@ -87,12 +93,7 @@ def _grad_of(ctx: int, w: RRef) -> torch.Tensor | None:
 
 
 def test_a_users_grad_is_kept_and_the_optimizer_steps_with_ddps_gradients(group) -> None:
-    wb = remote("b", make_param, (2, 3, 2))
-    model = Sandwich(wb)
-    ddp = DDP(model)
-    ddp.register_comm_hook(None, doubled)
-    x = make_param(3, 5, 4).detach()
-    expected = _local_grads(model, wb.to_here().detach(), x)
+    model, ddp, x, expected = doubling_ddp(2)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     mine = {p: torch.full_like(p, 7.0) for p in model.parameters()}
     for p, g in mine.items():
