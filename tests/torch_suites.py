@@ -248,9 +248,17 @@ KNOWN_FAILING: dict[str, dict[str, str]] = {
             "ran for more than set timeout (60000 ms) ... ('call' on 'worker0')",
     },
 }
-# Public API, passing alone but failing under load (2 cores shared with other
-# work): none.
-FLAKY: dict[str, dict[str, str]] = {}
+# Public API, failing now and then whatever the load: left out of make test.
+FLAKY: dict[str, dict[str, str]] = {
+    'DdpComparisonTest': {
+        'test_ddp_comparison_uneven_inputs':
+            "hangs about one run in eight, against nbrpc (1 of 8 in a loop here; "
+            "the 3 other ranks' shutdown then times out after 60 s) and against "
+            "PyTorch's own TensorPipe agent alike (1 of 8 here, with its own "
+            "fixture): DDP's join() for uneven inputs under distributed autograd. "
+            "Passes otherwise, as do the other 7 DDP tests.",
+    },
+}
 # Where nbrpc differs from PyTorch on purpose (README, "differs from PyTorch").
 DEVIATIONS: dict[str, dict[str, str]] = {
     'TensorPipeAgentRpcTest': {
