@@ -425,9 +425,6 @@ def test_dynamic_group_outlives_its_coordinator_leaving() -> None:
         assert w1.rpc_async("w2", whoami).wait() == "w2"
         assert w2.rpc_async("w1", whoami).wait() == "w1"
         assert w1.control.readmitted == w2.control.readmitted == 0
-        t0 = time.monotonic()
-        w1.shutdown()
-        assert time.monotonic() - t0 < 0.3  # (it waited 0.5 s on a Join to the dead address)
 
 
 class _LeavesWhilePickled:
