@@ -4,7 +4,7 @@ Scope: every test of the suites that uses only the public API. ``EXCLUDED``
 lists the others with the reason; ``KNOWN_FAILING`` lists public-API tests that
 nbrpc fails, with what they show; ``FLAKY`` lists public-API
 tests that pass alone but fail under load; ``DEVIATIONS`` lists where nbrpc
-differs from PyTorch on purpose (also in the README), each pinned by a test of
+differs from PyTorch on purpose (also in ``docs/development.md``), each pinned by a test of
 nbrpc's own behaviour. Every other test of the suites runs in ``make test``.
 """
 
@@ -259,7 +259,7 @@ FLAKY: dict[str, dict[str, str]] = {
             "Passes otherwise, as do the other 7 DDP tests.",
     },
 }
-# Where nbrpc differs from PyTorch on purpose (README, "differs from PyTorch").
+# Where nbrpc differs from PyTorch on purpose (docs/development.md, "PyTorch's own tests").
 DEVIATIONS: dict[str, dict[str, str]] = {
     'TensorPipeAgentRpcTest': {
         'test_op_with_invalid_args':
