@@ -55,11 +55,13 @@ def test_a_trace_holds_the_calls_replies_and_rref_protocol_of_its_block(trio_def
         gc.collect()
         assert poll_for(lambda: not debug.rref_graph()["values"], timeout=5)
         # the owner frees the value inside its handler and logs serving a Delete
-        # just after answering it: wait for those lines before the trace ends
+        # just after answering it, and the deleter logs the answer's arrival after
+        # that: wait for those lines before the trace ends
         def count(agents, event):
             return sum(r["event"] == event and r["op"] == "rref_delete"
                        for ag in agents for r in ag.events.records(200))
-        assert poll_for(lambda: 0 < count((a, b), "send") <= count((c,), "serve"), timeout=5)
+        assert poll_for(lambda: 0 < count((a, b), "send") <= count((c,), "serve")
+                        and count((a, b), "recv") >= count((a, b), "send"), timeout=5)
     seen = kinds(t)
     assert seen[("call", "call", "a", "b")] == 2
     assert seen[("reply", "call", "b", "a")] == 2
