@@ -54,9 +54,10 @@ lab: $(LAB_STAMP)
 # The tutorials are compared with their saved outputs (nbval) inside the suite, in
 # the environment binder/ builds (tests/test_binder.py): they run once, as Binder
 # would run them. `make test-notebooks` runs nbval in this environment instead.
+# The 25 slowest tests are listed at the end: what to look at when CI nears 30 minutes.
 test: $(STAMP) system-deps
 	$(PY) -m ruff check nbrpc tests benchmarks examples tools
-	$(PYTEST)
+	$(PYTEST) --durations=25
 
 test-fast: $(STAMP)
 	$(PYTEST) -m "not multiprocess and not torch_rpc and not cluster and not netns and not slurm and not mpi and not browser and not faults and not binder and not torch_suites and not lab"

@@ -4,7 +4,13 @@ Importing nbrpc starts nothing: no threads, no sockets, no zmq context until
 ``nbrpc.rpc.init_rpc`` (or a cluster start).
 """
 
+from __future__ import annotations
+
+from typing import Any
+
 __version__ = "0.1.0"
+__all__ = ["Cluster", "ClusterError", "ClusterStatus", "load_ipython_extension", "show",
+           "unload_ipython_extension"]
 
 # Layers that install themselves into every agent (request handlers, state):
 # imported here so that an agent made through any entry point has them all.
@@ -26,15 +32,30 @@ def __getattr__(name):  # noqa: ANN001,ANN202 - lazy: ipyparallel loads only whe
     raise AttributeError(f"module 'nbrpc' has no attribute {name!r}")
 
 
-def show(obj=None, **options):  # noqa: ANN001,ANN201 - any nbrpc object
+def show(obj: Any = None, **options: Any) -> Any:
     """The widget of an nbrpc object: a message trace, an RRef graph or owner
     map (``show()`` alone: the group's RRef graph now), a backward stepper, a
-    cluster, or an RRef (the graph with that value selected).
+    cluster, or an RRef (the graph with that value selected). ``options`` go
+    to the object's ``widget()``.
 
     Needs the notebook packages (anywidget, ipywidgets, matplotlib).
+
+    >>> import nbrpc
+    >>> from nbrpc import rpc
+    >>> rpc.init_rpc("s", rank=0, world_size=1, rpc_backend_options=rpc.api._free_port_options())
+    >>> kept = rpc.remote("s", dict)
+    >>> view = nbrpc.show(kept)  # a cell's last line: the graph, this value selected
+    >>> type(view).__name__
+    'RRefGraphView'
+    >>> nbrpc.show(42)
+    Traceback (most recent call last):
+      ...
+    TypeError: nbrpc.show() shows traces, RRef graphs, owner maps, backward steppers, clusters and RRefs; got an int. ...
+    >>> rpc.shutdown()
     """
     from . import views
     from .debug import rref_graph
+    from .debug.words import a
     from .rref import RRef
 
     if obj is None:
@@ -44,22 +65,32 @@ def show(obj=None, **options):  # noqa: ANN001,ANN201 - any nbrpc object
     if hasattr(obj, "widget"):  # traces, graphs, owner maps, steppers, clusters
         return obj.widget(**options)
     raise TypeError(f"nbrpc.show() shows traces, RRef graphs, owner maps, backward steppers, "
-                    f"clusters and RRefs; got a {type(obj).__name__}. Known views: "
+                    f"clusters and RRefs; got {a(type(obj).__name__)}. Known views: "
                     f"{', '.join(views.known()) or '(none loaded yet)'}")
 
 
-def load_ipython_extension(ip):  # noqa: ANN001,ANN201 - IPython's hook
+def load_ipython_extension(ip: Any) -> None:
     """``%load_ext nbrpc``: registers ``%rpc_cluster`` and ``%%rpc_on``, and the rich
     (HTML) displays of RRefs, futures, cluster statuses, RRef graphs, traces and
-    backward steppers."""
+    backward steppers. ``ip`` is IPython's ``InteractiveShell``; in a notebook::
+
+        %load_ext nbrpc
+        %rpc_cluster start 2
+
+    (``tests/test_readme.py`` runs exactly this in a kernel; ``tests/test_magics.py``
+    loads and unloads the extension in an IPython shell.)
+    """
     from .jupyter.magics import load
 
     load(ip)
 
 
-def unload_ipython_extension(ip):  # noqa: ANN001,ANN201 - IPython's hook
+def unload_ipython_extension(ip: Any) -> None:
     """``%unload_ext nbrpc``: stops the kernel's cluster, if one runs, and removes
-    the rich displays."""
+    the rich displays. In a notebook::
+
+        %unload_ext nbrpc
+    """
     from .jupyter.magics import unload
 
     unload(ip)

@@ -30,12 +30,36 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+__all__ = ["AlreadyInitializedError", "BackwardStageError", "CellError", "CodeCacheMiss",
+           "CompositeError", "DeviceMapError", "DeviceRouteError", "MessageTooLargeError",
+           "NbrpcError", "NotInitializedError", "RemoteError", "RemoteTraceback",
+           "RendezvousError", "RpcTimeoutError", "SerializationError", "ShutdownError",
+           "UnknownWorkerError", "WorkerGoneError"]
+
 
 class NbrpcError(RuntimeError):
-    """Base class of every nbrpc error."""
+    """Base class of every nbrpc error (a ``RuntimeError``, as PyTorch's RPC errors).
+
+    >>> from nbrpc import rpc
+    >>> try:
+    ...     rpc.rpc_sync("nobody", abs, args=(-1,))
+    ... except RuntimeError as e:  # what code written for torch.distributed.rpc catches
+    ...     type(e).__name__, isinstance(e, NbrpcError)
+    ('NotInitializedError', True)
+    """
 
 
 class NotInitializedError(NbrpcError):
+    """An RPC function called where no agent runs: before ``init_rpc`` (or
+    ``%rpc_cluster start``), or after ``shutdown``.
+
+    >>> from nbrpc import rpc
+    >>> rpc.get_worker_info()
+    Traceback (most recent call last):
+      ...
+    nbrpc.errors.NotInitializedError: RPC has not been initialized. get_worker_info needs an agent: call nbrpc.rpc.init_rpc(name, rank=..., world_size=...) first (in a notebook: %rpc_cluster start N).
+    """
+
     def __init__(self, what: str = "this call") -> None:
         # PyTorch's two phrases: its Python API says the first, RRef() the second.
         head = ("Current RPC agent is not set! Did you initialize the RPC framework?"
@@ -47,6 +71,18 @@ class NotInitializedError(NbrpcError):
 
 
 class AlreadyInitializedError(NbrpcError):
+    """``init_rpc`` on a thread whose process already runs an agent.
+
+    >>> from nbrpc import rpc
+    >>> opts = rpc.api._free_port_options()
+    >>> rpc.init_rpc("once", rank=0, world_size=1, rpc_backend_options=opts)
+    >>> rpc.init_rpc("twice", rank=0, world_size=1, rpc_backend_options=opts)
+    Traceback (most recent call last):
+      ...
+    nbrpc.errors.AlreadyInitializedError: RPC is already initialized in this process as 'once'. Call nbrpc.rpc.shutdown() before init_rpc() again.
+    >>> rpc.shutdown()
+    """
+
     def __init__(self, name: str) -> None:
         super().__init__(
             f"RPC is already initialized in this process as {name!r}. "
@@ -55,7 +91,16 @@ class AlreadyInitializedError(NbrpcError):
 
 
 class UnknownWorkerError(NbrpcError, KeyError):
-    """Raised when a destination names no member of the group."""
+    """Raised when a destination names no member of the group (also a ``KeyError``).
+
+    >>> from nbrpc import rpc
+    >>> rpc.init_rpc("u", rank=0, world_size=1, rpc_backend_options=rpc.api._free_port_options())
+    >>> rpc.rpc_sync("worker9", abs, args=(-1,))
+    Traceback (most recent call last):
+      ...
+    nbrpc.errors.UnknownWorkerError: could not find destination name 'worker9': no worker in the group has that name; known: u
+    >>> rpc.shutdown()
+    """
 
     def __init__(self, dest: object, known: Iterable[str]) -> None:
         self.dest = dest
@@ -75,7 +120,20 @@ class UnknownWorkerError(NbrpcError, KeyError):
 
 
 class RpcTimeoutError(NbrpcError, TimeoutError):
-    """A call, a fetch or a rendezvous ran past its timeout."""
+    """A call, a fetch or a rendezvous ran past its timeout (also a ``TimeoutError``).
+    The call fails; the agent, and the function still running remotely, do not.
+
+    >>> import time
+    >>> from nbrpc import rpc
+    >>> rpc.init_rpc("t", rank=0, world_size=1, rpc_backend_options=rpc.api._free_port_options())
+    >>> rpc.rpc_sync("t", time.sleep, args=(0.5,), timeout=0.1)
+    Traceback (most recent call last):
+      ...
+    nbrpc.errors.RpcTimeoutError: RPC ran for more than set timeout (100 ms) and will now be marked with an error ('call' on 't'). Pass a larger timeout= (0 means no timeout), or check that the worker is not blocked.
+    >>> rpc.rpc_sync("t", abs, args=(-1,))  # the agent is unharmed
+    1
+    >>> rpc.shutdown()
+    """
 
     def __init__(self, what: str, timeout: float, worker: str | None = None) -> None:
         self.timeout = timeout
@@ -193,7 +251,15 @@ class CodeCacheMiss(SerializationError):
 
 
 class RendezvousError(NbrpcError):
-    """init_rpc could not form the group (bad init_method, duplicate name, ...)."""
+    """init_rpc could not form the group (bad init_method, duplicate name, ...).
+
+    >>> from nbrpc import rpc
+    >>> opts = rpc.TensorPipeRpcBackendOptions(init_method="http://10.0.0.1:80")
+    >>> rpc.init_rpc("r", rank=0, world_size=1, rpc_backend_options=opts)
+    Traceback (most recent call last):
+      ...
+    nbrpc.errors.RendezvousError: unsupported init_method 'http://10.0.0.1:80'; use env://, tcp://HOST:PORT or file:///PATH
+    """
 
 
 class DeviceMapError(RendezvousError, ValueError):

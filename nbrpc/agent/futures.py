@@ -34,7 +34,25 @@ _SLICE = 0.25  # seconds between checks while waiting; bounds interrupt latency
 
 
 class RpcFuture(torch.futures.Future):
-    """A torch future completed by an nbrpc agent."""
+    """A torch future completed by an nbrpc agent: what ``rpc_async`` returns,
+    a ``torch.futures.Future`` in every respect (``wait``, ``then``,
+    ``torch.futures.wait_all``). ``wait()`` can be interrupted (Ctrl-C, Jupyter's
+    interrupt button) without harm to the call or the agent; a remote error
+    is raised from ``wait()`` as itself, with the remote traceback.
+
+    >>> import torch
+    >>> from nbrpc import rpc
+    >>> rpc.init_rpc("f", rank=0, world_size=1, rpc_backend_options=rpc.api._free_port_options())
+    >>> fut = rpc.rpc_async("f", torch.add, args=(torch.ones(2), 1))
+    >>> isinstance(fut, torch.futures.Future), fut.then(lambda f: f.value() * 2).wait()
+    (True, tensor([4., 4.]))
+    >>> rpc.rpc_async("f", int, args=("x",)).wait()
+    Traceback (most recent call last):
+      ...
+    ValueError: invalid literal for int() with base 10: 'x'
+    (raised on worker 'f'; its traceback is shown above)
+    >>> rpc.shutdown()
+    """
 
     def __init__(self, io_ident: Callable[[], int | None] | None = None) -> None:
         torch._C.Future.__init__(self, [])  # CPU only: skip the device-list conversion

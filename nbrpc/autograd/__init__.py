@@ -41,20 +41,64 @@ def context() -> contextlib.AbstractContextManager[int]:
 
     RPCs sent inside the block carry ``context_id``; tensors that require grad
     are recorded as they travel; leaving the block releases the context on
-    every worker that took part. One context per thread at a time."""
+    every worker that took part. One context per thread at a time.
+
+    >>> import torch
+    >>> from nbrpc import rpc, autograd as dist_autograd
+    >>> rpc.init_rpc("a", rank=0, world_size=1, rpc_backend_options=rpc.api._free_port_options())
+    >>> w = torch.tensor([3.0], requires_grad=True)
+    >>> with dist_autograd.context() as ctx_id:
+    ...     y = rpc.rpc_sync("a", torch.mul, args=(w, 2.0))  # recorded: a send and a recv
+    ...     len(dist_autograd._current_context()._send_functions())
+    2
+    >>> dist_autograd.get_gradients(ctx_id)  # left: released
+    Traceback (most recent call last):
+      ...
+    RuntimeError: Could not find autograd context with id: ...
+    >>> rpc.shutdown()
+    """
     return contexts_of(current_agent("nbrpc.autograd.context")).context()
 
 
 def backward(context_id: int, roots: list[torch.Tensor], retain_graph: bool = False) -> None:
     """Run the backward pass from ``roots`` (scalars) across every worker the
     graph reaches; leaf gradients accumulate in the context on each worker
-    (see :func:`get_gradients`), never in ``.grad``."""
+    (see :func:`get_gradients`), never in ``.grad``. ``retain_graph=True``
+    keeps the graph for another pass, whose gradients add to the first's.
+
+    >>> import torch
+    >>> from nbrpc import rpc, autograd as dist_autograd
+    >>> rpc.init_rpc("a", rank=0, world_size=1, rpc_backend_options=rpc.api._free_port_options())
+    >>> w = torch.tensor([3.0], requires_grad=True)
+    >>> with dist_autograd.context() as ctx_id:
+    ...     y = rpc.rpc_sync("a", torch.square, args=(w,))
+    ...     dist_autograd.backward(ctx_id, [y.sum()], retain_graph=True)
+    ...     first = dist_autograd.get_gradients(ctx_id)[w]
+    ...     dist_autograd.backward(ctx_id, [y.sum()])
+    ...     first, dist_autograd.get_gradients(ctx_id)[w]
+    (tensor([6.]), tensor([12.]))
+    >>> rpc.shutdown()
+    """
     _backward.run_backward(current_agent("nbrpc.autograd.backward"), context_id, roots,
                            retain_graph)
 
 
 def get_gradients(context_id: int) -> dict[torch.Tensor, torch.Tensor]:
-    """``{tensor: gradient}`` for this worker's leaves in ``context_id``."""
+    """``{tensor: gradient}`` for this worker's leaves in ``context_id`` (a
+    copy: changing it changes nothing in the context).
+
+    >>> import torch
+    >>> from nbrpc import rpc, autograd as dist_autograd
+    >>> rpc.init_rpc("a", rank=0, world_size=1, rpc_backend_options=rpc.api._free_port_options())
+    >>> w, b = torch.ones(2, requires_grad=True), torch.zeros(2, requires_grad=True)
+    >>> with dist_autograd.context() as ctx_id:
+    ...     y = rpc.rpc_sync("a", torch.add, args=(w * 3, b))
+    ...     dist_autograd.backward(ctx_id, [y.sum()])
+    ...     grads = dist_autograd.get_gradients(ctx_id)
+    >>> grads[w], grads[b]
+    (tensor([3., 3.]), tensor([1., 1.]))
+    >>> rpc.shutdown()
+    """
     ctx = contexts_of(current_agent("nbrpc.autograd.get_gradients")).get(context_id)
     with ctx.lock:
         return dict(ctx.grads)
@@ -63,7 +107,27 @@ def get_gradients(context_id: int) -> dict[torch.Tensor, torch.Tensor]:
 def backward_stepper(context_id: int, roots: list[torch.Tensor],
                      retain_graph: bool = False) -> BackwardStepper:
     """The same pass as :func:`backward`, run one stage per ``.step()`` (see
-    :class:`BackwardStepper`)."""
+    :class:`BackwardStepper`): each step says which worker ran which nodes,
+    the leaf gradients it found, and the gradients it sent on.
+
+    >>> import torch
+    >>> from nbrpc import rpc, autograd as dist_autograd
+    >>> rpc.init_rpc("a", rank=0, world_size=1, rpc_backend_options=rpc.api._free_port_options())
+    >>> w = torch.tensor([3.0], requires_grad=True)
+    >>> with dist_autograd.context() as ctx_id:
+    ...     y = rpc.rpc_sync("a", torch.mul, args=(w, 2.0))
+    ...     stepper = dist_autograd.backward_stepper(ctx_id, [y.sum()])
+    ...     stepper.pending
+    ...     stage = stepper.step()
+    ...     stage["nodes"], [s["norms"] for s in stage["sent"]]
+    ...     [s["nodes"] for s in stepper.run()]  # the rest: the answer, then the leaf
+    ...     dist_autograd.get_gradients(ctx_id)[w]
+    [{'worker': 'a', 'trigger': 'roots'}]
+    (['SumBackward0', 'RecvRpcBackward'], [[1.0]])
+    [['MulBackward0', 'RecvRpcBackward'], ['AccumulateGrad']]
+    tensor([2.])
+    >>> rpc.shutdown()
+    """
     return BackwardStepper(current_agent("nbrpc.autograd.backward_stepper"), context_id,
                            roots, retain_graph)
 

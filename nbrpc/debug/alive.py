@@ -30,6 +30,13 @@ def why_alive(rref: Any, timeout: float = 10.0) -> dict[str, Any]:
     forks, deletes in flight), ``references`` (per worker, the Python
     references to its RRef objects: variables, containers, IPython's ``Out``
     history) and ``hints`` (how to let go).
+
+    >>> from nbrpc import rpc, debug
+    >>> rpc.init_rpc("d", rank=0, world_size=1, rpc_backend_options=rpc.api._free_port_options())
+    >>> kept = rpc.remote("d", dict)
+    >>> debug.why_alive(kept)["reasons"]
+    ["1 owner-side RRef object on 'd'"]
+    >>> rpc.shutdown()
     """
     agent = current_agent("debug.why_alive")
     rid = str(getattr(rref, "_id", rref))
@@ -99,7 +106,15 @@ def forget_outputs() -> int:
 
 def forget_outputs_everywhere(timeout: float = 10.0) -> dict[str, int]:
     """:func:`forget_outputs` on this member and on every other one (by RPC):
-    how many output-history references each dropped, by name."""
+    how many output-history references each dropped, by name (outside IPython,
+    none).
+
+    >>> from nbrpc import rpc, debug
+    >>> rpc.init_rpc("d", rank=0, world_size=1, rpc_backend_options=rpc.api._free_port_options())
+    >>> debug.forget_outputs_everywhere()
+    {'d': 0}
+    >>> rpc.shutdown()
+    """
     agent = current_agent("debug.forget_outputs_everywhere")
     dropped = {agent.name: forget_outputs()}  # here first (the notebook's kernel)
     futs = {w.name: agent.rpc_async(w.id, forget_outputs, (), timeout=timeout)
@@ -111,7 +126,16 @@ def forget_outputs_everywhere(timeout: float = 10.0) -> dict[str, int]:
 def output_refs(timeout: float = 10.0) -> dict[str, dict[str, list[str]]]:
     """Per member, the RRefs that IPython's output history keeps (a cell displayed
     them): ``{worker: {rref id: ["Out[4]", "_"]}}``. Cheap: it looks at the output
-    names only, not at every referrer (:func:`why_alive` does that)."""
+    names only, not at every referrer (:func:`why_alive` does that). Members
+    that keep none (and processes without IPython) are left out.
+
+    >>> from nbrpc import rpc, debug
+    >>> rpc.init_rpc("d", rank=0, world_size=1, rpc_backend_options=rpc.api._free_port_options())
+    >>> kept = rpc.remote("d", dict)
+    >>> debug.output_refs()
+    {}
+    >>> rpc.shutdown()
+    """
     agent = current_agent("debug.output_refs")
     futs = {w.name: agent.rpc_async(w.id, _outputs_here, (), timeout=timeout)
             for w in agent.worker_infos()}

@@ -13,7 +13,18 @@ from .snapshots import gather
 
 
 class RRefGraph(dict):
-    """The group's RRefs as plain data (a dict; see :func:`rref_graph`), with a view."""
+    """The group's RRefs as plain data (a dict; see :func:`rref_graph`), with a view.
+
+    >>> from nbrpc import rpc, debug
+    >>> rpc.init_rpc("d", rank=0, world_size=1, rpc_backend_options=rpc.api._free_port_options())
+    >>> kept = rpc.remote("d", dict)
+    >>> g = debug.rref_graph()
+    >>> isinstance(g, dict), sorted(g)
+    (True, ['edges', 'pending', 'users', 'values', 'workers'])
+    >>> type(g.widget()).__name__  # in a notebook: the drawing
+    'RRefGraphView'
+    >>> rpc.shutdown()
+    """
 
     def widget(self, **options: Any) -> Any:
         """The RRef graph widget (workers as lanes, values and their forks; click a
@@ -22,7 +33,16 @@ class RRefGraph(dict):
 
 
 class OwnerMap(dict):
-    """Per worker, what it owns (a dict; see :func:`owner_map`), with a view and a plot."""
+    """Per worker, what it owns (a dict; see :func:`owner_map`), with a view and a plot.
+
+    >>> from nbrpc import rpc, debug
+    >>> rpc.init_rpc("d", rank=0, world_size=1, rpc_backend_options=rpc.api._free_port_options())
+    >>> kept = rpc.remote("d", dict)
+    >>> omap = debug.owner_map()
+    >>> {w: len(rows) for w, rows in omap.items()}, type(omap.widget()).__name__
+    ({'d': 1}, 'OwnerMapView')
+    >>> rpc.shutdown()
+    """
 
     def widget(self, **options: Any) -> Any:
         """The owner map widget: per worker its values, their holders and bytes."""
@@ -38,6 +58,14 @@ def rref_graph(snapshots: list[dict[str, Any]] | None = None) -> RRefGraph:
     ``pending``: forks sent but not yet accepted (parent → child, with the
     rref id). ``edges``: (owner, holder, rref id, fork id, state) for drawing.
     ``workers``: the members' names, by rank.
+
+    >>> from nbrpc import rpc, debug
+    >>> rpc.init_rpc("d", rank=0, world_size=1, rpc_backend_options=rpc.api._free_port_options())
+    >>> kept = rpc.remote("d", list, args=("ab",))
+    >>> g = debug.rref_graph()
+    >>> g["workers"], {rid: (v["owner"], v["type"], v["state"]) for rid, v in g["values"].items()}
+    (['d'], {'0:0': ('d', 'builtins.list', 'ready')})
+    >>> rpc.shutdown()
     """
     snaps = gather(events=0) if snapshots is None else snapshots
     values: dict[str, dict[str, Any]] = {}
@@ -67,7 +95,15 @@ def rref_graph(snapshots: list[dict[str, Any]] | None = None) -> RRefGraph:
 
 
 def owner_map(snapshots: list[dict[str, Any]] | None = None) -> OwnerMap:
-    """Per worker, the values it owns: id, type, size, state, who holds them."""
+    """Per worker, the values it owns: id, type, size, state, who holds them.
+
+    >>> from nbrpc import rpc, debug
+    >>> rpc.init_rpc("d", rank=0, world_size=1, rpc_backend_options=rpc.api._free_port_options())
+    >>> kept = rpc.remote("d", bytes, args=(1000,))
+    >>> [(row["type"], row["nbytes"], row["held_by"]) for row in debug.owner_map()["d"]]
+    [('builtins.bytes', 1033, [])]
+    >>> rpc.shutdown()
+    """
     snaps = gather(events=0) if snapshots is None else snapshots
     graph = rref_graph(snaps)
     out = OwnerMap({s["name"]: [] for s in snaps})
@@ -80,7 +116,15 @@ def owner_map(snapshots: list[dict[str, Any]] | None = None) -> OwnerMap:
 
 
 def rref_table(snapshots: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
-    """One row per reference (owner-side or user fork), sorted by id and worker."""
+    """One row per reference (owner-side or user fork), sorted by id and worker.
+
+    >>> from nbrpc import rpc, debug
+    >>> rpc.init_rpc("d", rank=0, world_size=1, rpc_backend_options=rpc.api._free_port_options())
+    >>> kept = rpc.remote("d", dict)
+    >>> [(r["rref_id"], r["worker"], r["role"], r["type"]) for r in debug.rref_table()]
+    [('0:0', 'd', 'owner', 'builtins.dict')]
+    >>> rpc.shutdown()
+    """
     graph = rref_graph(snapshots)
     rows = [{"rref_id": rid, "worker": v["owner"], "role": "owner", "fork_id": None,
              "state": v["state"], "type": v["type"], "nbytes": v["nbytes"], "site": v["site"]}
@@ -96,7 +140,16 @@ def rref_table(snapshots: list[dict[str, Any]] | None = None) -> list[dict[str, 
 def to_networkx(graph: RRefGraph | None = None) -> Any:
     """The RRef graph as a ``networkx.MultiDiGraph``: worker nodes and value nodes
     (``"rref 0:3"``); edges owner → value (``owns``), value → holder (``held``,
-    with fork id and state), parent → child (``pending``)."""
+    with fork id and state), parent → child (``pending``).
+
+    >>> from nbrpc import rpc, debug
+    >>> rpc.init_rpc("d", rank=0, world_size=1, rpc_backend_options=rpc.api._free_port_options())
+    >>> kept = rpc.remote("d", dict)
+    >>> g = debug.to_networkx()
+    >>> sorted(g.nodes), [kind for _, _, kind in g.edges(data="kind")]
+    (['d', 'rref 0:0'], ['owns'])
+    >>> rpc.shutdown()
+    """
     import networkx as nx
 
     graph = rref_graph() if graph is None else graph

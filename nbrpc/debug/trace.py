@@ -118,6 +118,18 @@ class Trace:
     ``lost``: members whose logs were not (fully) read, and why. nbrpc's own
     introspection calls (snapshots, status probes, ``why_alive``; their ``what``
     starts with ``nbrpc:``) are left out unless ``internal`` is set.
+
+    >>> from nbrpc import rpc, debug
+    >>> rpc.init_rpc("d", rank=0, world_size=1, rpc_backend_options=rpc.api._free_port_options())
+    >>> with debug.trace() as t:
+    ...     _ = rpc.rpc_sync("d", abs, args=(-2,))
+    ...     _ = rpc.rpc_async("d", abs, args=(-3,)).wait()
+    >>> print(t)
+    Trace of d: 4 messages (2 requests, 2 replies), 0 events
+      call: 2 requests, 2 replies  d -> d
+    >>> len(t.latencies()["call"]), sorted(t.to_chrome_trace())
+    (2, ['displayTimeUnit', 'otherData', 'traceEvents'])
+    >>> rpc.shutdown()
     """
 
     workers: list[str]
@@ -392,5 +404,13 @@ def trace(timeout: float = 10.0, internal: bool = False, settle: float = 2.0) ->
     view's probes, ``debug`` snapshots) in the trace. Leaving the block first
     waits (at most ``settle`` seconds) for the answers to calls the block sent
     from here without waiting for them, so that they are in the trace too.
+
+    >>> from nbrpc import rpc, debug
+    >>> rpc.init_rpc("d", rank=0, world_size=1, rpc_backend_options=rpc.api._free_port_options())
+    >>> with debug.trace() as t:
+    ...     _ = rpc.rpc_sync("d", abs, args=(-2,))
+    >>> [(m["kind"], m["what"], m["src"], m["dst"]) for m in t.messages]
+    [('call', 'abs', 'd', 'd'), ('reply', 'abs', 'd', 'd')]
+    >>> rpc.shutdown()
     """
     return Trace(workers=[], internal=internal, settle=settle, _timeout=timeout)

@@ -15,7 +15,11 @@ from __future__ import annotations
 
 def plural(n: int, noun: str, nouns: str | None = None) -> str:
     """``n`` and the noun: singular for exactly one, else ``nouns`` (by default
-    the noun with an ``s``, or ``ies`` for a ``y`` after a consonant)."""
+    the noun with an ``s``, or ``ies`` for a ``y`` after a consonant).
+
+    >>> plural(1, "worker"), plural(3, "worker"), plural(2, "reply"), plural(0, "day")
+    ('1 worker', '3 workers', '2 replies', '0 days')
+    """
     if n == 1:
         return f"{n} {noun}"
     if nouns is None:

@@ -273,7 +273,17 @@ def is_available() -> bool:
 
 
 def get_rpc_timeout() -> float:
-    """The default timeout of this agent's calls, in seconds."""
+    """The default timeout of this agent's calls, in seconds (the options'
+    ``rpc_timeout``; a call's ``timeout=`` overrides it for that call).
+
+    >>> from nbrpc import rpc
+    >>> opts = rpc.api._free_port_options()
+    >>> opts.rpc_timeout = 5
+    >>> rpc.init_rpc("t", rank=0, world_size=1, rpc_backend_options=opts)
+    >>> rpc.get_rpc_timeout()
+    5.0
+    >>> rpc.shutdown()
+    """
     return current_agent("get_rpc_timeout").options.rpc_timeout
 
 

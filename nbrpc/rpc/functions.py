@@ -8,6 +8,8 @@ from typing import TypeVar
 
 from ..agent import mark_async
 
+__all__ = ["async_execution"]
+
 F = TypeVar("F", bound=Callable)
 
 

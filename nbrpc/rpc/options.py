@@ -24,13 +24,29 @@ DeviceType = int | str | torch.device
 
 
 class BackendType(enum.Enum):
-    """nbrpc has one backend (ZeroMQ); TENSORPIPE is accepted as its alias."""
+    """nbrpc has one backend (ZeroMQ); TENSORPIPE is accepted as its alias.
+
+    >>> BackendType.TENSORPIPE is BackendType.NBRPC
+    True
+    """
 
     TENSORPIPE = "TENSORPIPE"
     NBRPC = "TENSORPIPE"
 
 
 class RpcBackendOptions:
+    """What every backend's options have, as ``torch.distributed.rpc.RpcBackendOptions``:
+    ``rpc_timeout`` (seconds, the default timeout of calls) and ``init_method``
+    (the rendezvous URL). Pass a :class:`TensorPipeRpcBackendOptions` to ``init_rpc``.
+
+    >>> RpcBackendOptions(rpc_timeout=20).rpc_timeout
+    20.0
+    >>> RpcBackendOptions(rpc_timeout="20")
+    Traceback (most recent call last):
+      ...
+    TypeError: RpcBackendOptions(): incompatible constructor arguments: rpc_timeout is a number of seconds, not a str
+    """
+
     def __init__(self, rpc_timeout: float = DEFAULT_RPC_TIMEOUT_SEC,
                  init_method: str = DEFAULT_INIT_METHOD) -> None:
         if isinstance(rpc_timeout, bool) or not isinstance(rpc_timeout, numbers.Real):
