@@ -254,6 +254,32 @@ def bench_async(rpc: Any, cfg: Config, failures: list[str]) -> dict[str, float]:
     return {"async_calls_per_s": statistics.median(rates)}
 
 
+def bench_busy_thread(rpc: Any, cfg: Config, failures: list[str]) -> dict[str, float]:
+    """rpc_sync and rpc_async while another Python thread of the caller's process
+    runs pure Python (a training loop, a data loader, a notebook's poller): a
+    thread that dropped the GIL waits up to ``sys.getswitchinterval()`` (5 ms)
+    to get it back, so what counts is how often a call drops it."""
+    stop = threading.Event()
+
+    def spin() -> None:
+        x = 0
+        while not stop.is_set():
+            for _ in range(1000):
+                x += 1
+
+    th = threading.Thread(target=spin, daemon=True)
+    th.start()
+    try:
+        samples = time_calls(lambda: rpc.rpc_sync(PEER, _targets.noop),
+                             max(1, cfg.sync[0] // 10), max(1, cfg.sync[1] // 10), failures)
+        rate = async_round(rpc, max(1, cfg.async_calls // 4), cfg.async_window)
+    finally:
+        stop.set()
+        th.join(timeout=10)
+    return {"busy_sync_median_us": statistics.median(samples) * 1e6,
+            "busy_async_calls_per_s": rate}
+
+
 def bench_echo(rpc: Any, label: str, reps: tuple[int, int],
                failures: list[str]) -> dict[str, float]:
     nbytes = ECHO_SIZES[label]
@@ -620,6 +646,8 @@ def measure(rpc: Any, lib: str, cfg: Config, rec: dict[str, Any],
         steps += [
             ("rpc_sync", sum(cfg.sync), lambda f: bench_sync(rpc, cfg, f)),
             ("rpc_async", 0, lambda f: bench_async(rpc, cfg, f)),
+            ("beside a busy thread", max(1, cfg.sync[0] // 10) + max(1, cfg.sync[1] // 10),
+             lambda f: bench_busy_thread(rpc, cfg, f)),
         ]
         for label, reps in cfg.echo.items():
             steps.append((f"echo {label}", sum(reps),
@@ -937,6 +965,10 @@ def build_rows(nb: dict[str, Any], tc: dict[str, Any], cfg: Config,
             Row("rpc_sync no-op, p99 (µs)", *metric("sync_p99_us")),
             Row("rpc_async no-op, ≤64 in flight (calls/s)", *metric("async_calls_per_s"),
                 fmt="{:.0f}", target="ratio ≥ 3", test=lambda x: x >= 3.0),
+            Row("rpc_sync no-op beside a busy Python thread, median (µs)",
+                *metric("busy_sync_median_us"), fmt="{:.0f}"),
+            Row("rpc_async no-op beside a busy Python thread (calls/s)",
+                *metric("busy_async_calls_per_s"), fmt="{:.0f}"),
         ]
         for label in ECHO_SIZES:
             rows.append(Row(f"echo {label} tensor, median RTT (µs)",

@@ -55,3 +55,35 @@ def test_outcome_of_a_value() -> None:
     fut = torch.futures.Future()
     fut.set_result(3)
     assert outcome(fut) == (3, None)
+
+
+def test_a_settled_future_answers_from_python_and_from_torch_alike() -> None:
+    """The agent's ``settle`` keeps the outcome in Python before it completes
+    the torch future: a thread woken by torch's completion callback (as
+    ``wait()`` is) already finds it there, so ``wait()``, ``value()`` and
+    ``done()`` need not go back into torch (which drops the GIL); torch's own
+    consumers (``then``, ``wait_all``) see the same value."""
+    fut = RpcFuture()
+    seen = []
+    torch._C.Future.add_done_callback(fut, lambda f: seen.append((f._outcome, f.value())))
+    child = fut.then(lambda f: f.value() + 1)
+    assert not fut.done() and fut._outcome is None
+    fut.settle(41)
+    assert seen == [((41, None), 41)]
+    assert fut.done() and torch._C.Future.done(fut)
+    assert fut.wait() == fut.value() == torch._C.Future.value(fut) == 41
+    assert child.wait() == 42 and torch.futures.wait_all([fut]) == [41]
+
+
+def test_a_settled_error_is_raised_fresh_from_python_and_from_torch() -> None:
+    fut = RpcFuture()
+    seen = []
+    torch._C.Future.add_done_callback(fut, lambda f: seen.append(f._outcome))
+    fut.settle(error=WorkerGoneError("w1", "died"))
+    assert len(seen) == 1 and isinstance(seen[0][1], WorkerGoneError)
+    with pytest.raises(WorkerGoneError, match="w1"):
+        fut.wait()
+    with pytest.raises(WorkerGoneError, match="w1"):
+        torch.futures.wait_all([fut])
+    value, error = outcome(fut)
+    assert value is None and type(error) is WorkerGoneError and error.__traceback__ is None

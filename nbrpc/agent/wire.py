@@ -194,10 +194,7 @@ class Pending:
     def settle(self, value: Any = None, error: BaseException | None = None) -> None:
         """Complete the future, then run ``then`` (on the completing thread).
         ``then`` is a plain call: a torch done-callback costs a GIL round trip."""
-        if error is None:
-            self.future.set_result(value)
-        else:
-            self.future.set_exception(error)
+        self.future.settle(value, error)
         if self.then is not None:
             try:
                 self.then(value, error)
