@@ -254,6 +254,12 @@ def bench_async(rpc: Any, cfg: Config, failures: list[str]) -> dict[str, float]:
     return {"async_calls_per_s": statistics.median(rates)}
 
 
+def busy_sync_reps(cfg: Config) -> tuple[int, int]:
+    """Warm-up and timed rpc_sync calls beside a busy thread: a tenth of the
+    plain row's (each costs a switch interval there, about 5 ms)."""
+    return max(1, cfg.sync[0] // 10), max(1, cfg.sync[1] // 10)
+
+
 def bench_busy_thread(rpc: Any, cfg: Config, failures: list[str]) -> dict[str, float]:
     """rpc_sync and rpc_async while another Python thread of the caller's process
     runs pure Python (a training loop, a data loader, a notebook's poller): a
@@ -270,8 +276,8 @@ def bench_busy_thread(rpc: Any, cfg: Config, failures: list[str]) -> dict[str, f
     th = threading.Thread(target=spin, daemon=True)
     th.start()
     try:
-        samples = time_calls(lambda: rpc.rpc_sync(PEER, _targets.noop),
-                             max(1, cfg.sync[0] // 10), max(1, cfg.sync[1] // 10), failures)
+        samples = time_calls(lambda: rpc.rpc_sync(PEER, _targets.noop), *busy_sync_reps(cfg),
+                             failures)
         rate = async_round(rpc, max(1, cfg.async_calls // 4), cfg.async_window)
     finally:
         stop.set()
@@ -646,7 +652,7 @@ def measure(rpc: Any, lib: str, cfg: Config, rec: dict[str, Any],
         steps += [
             ("rpc_sync", sum(cfg.sync), lambda f: bench_sync(rpc, cfg, f)),
             ("rpc_async", 0, lambda f: bench_async(rpc, cfg, f)),
-            ("beside a busy thread", max(1, cfg.sync[0] // 10) + max(1, cfg.sync[1] // 10),
+            ("beside a busy thread", sum(busy_sync_reps(cfg)),
              lambda f: bench_busy_thread(rpc, cfg, f)),
         ]
         for label, reps in cfg.echo.items():

@@ -98,7 +98,7 @@ class RpcFuture(torch.futures.Future):
 
     def wait(self) -> Any:
         __tracebackhide__ = True  # (IPython leaves nbrpc's frames out of tracebacks)
-        if self._outcome is None and not torch._C.Future.done(self):
+        if not self.done():
             unsent, self.unsent = self.unsent, None
             if unsent is not None:
                 unsent()
