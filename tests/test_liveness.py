@@ -77,6 +77,50 @@ def test_a_stopped_process_is_noticed_by_its_connection_not_a_silence_rule() -> 
         assert a.rpc_async("c", add, (1, 2)).wait() == 3
 
 
+def test_a_member_whose_link_to_another_stays_down_fails_its_calls_to_it(monkeypatch) -> None:
+    """Two members cut off from each other, not from the coordinator: nobody
+    declares either dead, so the caller ends its calls itself once its link
+    has been down for 2 * link_timeout, and the peer stays a member. While
+    it waits, it heartbeats the peer (data in flight, so the kernel notices a
+    cut); a peer that only died is reported by the coordinator first."""
+    with local_group(["a", "b", "c"], heartbeat_interval=0.2) as (a, b, c):
+        sent: list = []
+        send = b.control.send
+        monkeypatch.setattr(b.control, "send", lambda r, m: (sent.append((r, type(m).__name__)),
+                                                             send(r, m))[1])
+        fut = b.rpc_async("c", sleep_then, (4, "never"))  # (c serves it; b stops waiting)
+        assert poll_for(lambda: (2, "Heartbeat") in sent, timeout=2)  # probes while it waits
+        real = b.io.link_down_since
+        cut = time.monotonic()
+        monkeypatch.setattr(b.io, "link_down_since", lambda r: cut if r == 2 else real(r))
+        with pytest.raises(WorkerGoneError, match=r"'c' is out of reach from 'b': the connection "
+                           r"to it has been down for \d\.\d s, though the group still counts it "
+                           r"a member \(a network cut"):
+            fut.wait()
+        assert 2 * b.options.link_timeout <= time.monotonic() - cut < 2 * b.options.link_timeout + 1
+        with pytest.raises(WorkerGoneError, match="out of reach"):  # new calls too, next tick
+            b.rpc_async("c", sleep_then, (4, "never")).wait()
+        assert _tables_full([a, b, c]) and not any(  # nobody declared dead, nobody evicted
+            e["event"] == "member-dead" for x in (a, b, c) for e in x.snapshot()["events"])
+        events = [e for e in b.snapshot()["events"] if e["event"] == "peer-unreachable"]
+        assert [e["peer"] for e in events] == ["c"]  # one per cut, however many calls failed
+        assert a.rpc_async("c", add, (1, 2)).wait() == 3  # the coordinator reaches it
+        monkeypatch.setattr(b.io, "link_down_since", real)  # the link is back
+        assert b.rpc_async("c", add, (2, 3)).wait() == 5 and c.rpc_async("b", add, (3, 4)).wait() == 7
+        sent.clear()
+        time.sleep(0.5)
+        assert (2, "Heartbeat") not in sent  # nothing in flight to c: no probes
+
+
+def test_a_member_calling_one_that_died_hears_the_coordinators_verdict() -> None:
+    with local_group(["a", "b", "c"], heartbeat_interval=0.2) as (a, b, c):
+        fut = b.rpc_async("c", sleep_then, (2, "never"))
+        time.sleep(0.1)
+        c.shutdown(graceful=False)
+        with pytest.raises(WorkerGoneError, match=r"'c' died \(its connection closed\)"):
+            fut.wait()
+
+
 def test_a_busy_member_is_not_evicted_and_its_calls_complete() -> None:
     with local_group(["a", "b", "c"], heartbeat_interval=0.2) as (a, b, c):
         fut = a.rpc_async("b", add, (20, 22))
@@ -84,7 +128,8 @@ def test_a_busy_member_is_not_evicted_and_its_calls_complete() -> None:
         c.io.call_soon(time.sleep, 3.0)
         time.sleep(0.05)
         late = a.rpc_async("b", add, (1, 1))
-        assert fut.wait() == 42 and late.wait() == 2
+        from_member = c.rpc_async("b", add, (2, 2))  # (c's I/O thread is held too)
+        assert fut.wait() == 42 and late.wait() == 2 and from_member.wait() == 4
         time.sleep(0.5)
         assert _tables_full([a, b, c])
         assert not any(e["event"] == "member-dead" for x in (a, b, c)

@@ -19,6 +19,12 @@ VM). Then:
 * w1 stopped with SIGSTOP for 5 s (its kernel still acknowledges) is not
   evicted either, and the group shuts down gracefully.
 
+A second run cuts h2 and h3 off from each other only (each sends the other's
+frames to a MAC nobody has): the coordinator hears both, so the members end
+their calls to each other themselves ("out of reach", within
+``MEMBERS_CUT_BOUND_S``), nobody is evicted, and calls between them flow again
+once the link is back.
+
 The figures (time to declare dead, to fail the calls, to rejoin) are printed.
 Needs root and iproute2; skipped where namespaces cannot be built. Run with
 ``pytest -m netns tests/test_partition.py``.
@@ -162,7 +168,9 @@ opts = rpc.TensorPipeRpcBackendOptions(init_method=f"tcp://{cfg['addr']}:{cfg['p
                                        rpc_timeout=60, num_worker_threads=8)
 rpc.init_rpc("driver", rank=0, world_size=3, rpc_backend_options=opts)
 agent = current_agent()
-try:
+
+
+def host_cut():
     pids = {w: rpc.rpc_sync(w, pid) for w in ("w1", "w2")}
     out["warm"] = rpc.rpc_sync("w1", call, args=("w2", add, 1, 2))  # w1 -> w2 connected
     owned_by_lost = rpc.remote("w2", make_value, args=(100,))
@@ -228,6 +236,49 @@ try:
     out["w2_end"] = rpc.rpc_sync("w2", health)
     out["dropped"] = rpc.rpc_sync("w2", drop_kept)
     del owned_by_lost, held_by_lost
+
+
+def cut_between_members(on):
+    """h2 and h3 stop reaching each other (each sends the other's frames to a
+    MAC nobody has); both still reach h1, and h1 them."""
+    for host, peer in (("h2", "h3"), ("h3", "h2")):
+        if on:
+            args = ["neigh", "replace", cfg["addrs"][peer], "lladdr", "02:00:00:00:00:99",
+                    "dev", "eth0", "nud", "permanent"]
+        else:
+            args = ["neigh", "del", cfg["addrs"][peer], "dev", "eth0"]
+        subprocess.run(["ip", "-n", cfg["ns"][host], *args], check=True, timeout=10)
+
+
+def members_cut():
+    out["warm"] = [rpc.rpc_sync("w1", call, args=("w2", add, 1, 2)),
+                   rpc.rpc_sync("w2", call, args=("w1", add, 1, 2))]
+    # in flight between them when they are cut off from each other
+    via_w1 = rpc.rpc_async("w1", call, args=("w2", sleep_then, 8, "late"), timeout=60)
+    via_w2 = rpc.rpc_async("w2", call, args=("w1", sleep_then, 8, "late"), timeout=60)
+    time.sleep(0.3)
+    t_cut = time.monotonic()
+    cut_between_members(True)
+    out["via_w1"], out["via_w2"] = outcome(via_w1), outcome(via_w2)
+    out["failed_s"] = time.monotonic() - t_cut
+    out["new_call"] = rpc.rpc_sync("w1", call, args=("w2", add, 1, 1))
+    out["driver_to_both"] = [rpc.rpc_sync(w, add, args=(1, 1)) for w in ("w1", "w2")]
+    out["health"] = [health(), rpc.rpc_sync("w1", health), rpc.rpc_sync("w2", health)]
+    t_back = time.monotonic()
+    cut_between_members(False)
+    for _ in range(100):  # calls fail until the link is dialled again (backing off to 2 s)
+        out["w1_to_w2"] = rpc.rpc_sync("w1", call, args=("w2", add, 3, 4))
+        if out["w1_to_w2"][0] == "ok" or time.monotonic() - t_back > 15:
+            break
+        time.sleep(0.1)
+    out["healed_s"] = time.monotonic() - t_back
+    out["w2_to_w1"] = rpc.rpc_sync("w2", call, args=("w1", add, 4, 5))
+    out["health_end"] = [health(), rpc.rpc_sync("w1", health), rpc.rpc_sync("w2", health)]
+
+
+
+try:
+    {"host": host_cut, "members": members_cut}[cfg["scenario"]]()
 finally:
     for w in ("w1", "w2"):
         try:
@@ -255,10 +306,13 @@ def _env(tmp: Path) -> dict:
     return env
 
 
-def run_group(hosts: Net, tmp: Path) -> dict:
-    """The members in h2 and h3, the driver in h1; the driver's result."""
+def run_group(hosts: Net, tmp: Path, scenario: str) -> dict:
+    """The members in h2 and h3, the driver in h1 playing ``scenario`` ("host":
+    h3 unplugged; "members": h2 and h3 cut off from each other); its result."""
     env, addr = _env(tmp), hosts.addr("h1")
-    cfg = {"addr": addr, "port": PORT, "switch": hosts.ns("sw"), "mark": MARK}
+    cfg = {"addr": addr, "port": PORT, "switch": hosts.ns("sw"), "mark": MARK,
+           "scenario": scenario, "ns": {h: hosts.ns(h) for h in hosts.hosts},
+           "addrs": {h: hosts.addr(h) for h in hosts.hosts}}
     procs = [subprocess.Popen(["ip", "netns", "exec", hosts.ns(host), sys.executable, "-c", MEMBER,
                                str(rank), addr, str(PORT)], env=env, cwd=REPO,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -286,7 +340,7 @@ def run_group(hosts: Net, tmp: Path) -> dict:
 
 def test_a_host_cut_off_is_declared_dead_in_seconds_and_rejoins_when_back(
         net: Net, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:  # noqa: F811
-    out = run_group(net, tmp_path)
+    out = run_group(net, tmp_path, "host")
     logs = out.pop("logs")
     print(json.dumps(out), logs, sep="\n")  # (shown if an assertion fails)
     assert out["warm"][0] == "ok" and out["to_here_before"] == sum(range(100)), (out, logs)
@@ -330,3 +384,37 @@ def test_a_host_cut_off_is_declared_dead_in_seconds_and_rejoins_when_back(
               f"failed in {out['call_failed_s']:.2f} s (bound {DEAD_BOUND_S} s); w1 silent "
               f"{out['gil_held'][2]:.1f} s with its GIL held, not evicted; link back -> "
               f"rejoined in {out['rejoin_s']:.2f} s; graceful shutdown {out['shutdown_s']:.2f} s")
+
+
+MEMBERS_CUT_BOUND_S = 6.0  # a probe's tick (0.5 s), TCP giving up (about 1 s), 2 * link_timeout
+
+
+def test_two_members_cut_off_from_each_other_fail_their_calls_to_each_other_in_seconds(
+        net: Net, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:  # noqa: F811
+    """h2 and h3 stop reaching each other, and both still reach h1: the
+    coordinator hears both, so nobody is declared dead. The calls between them
+    in flight fail with ``WorkerGoneError`` ("out of reach") in seconds, as do
+    new ones; both stay members, the driver reaches both; once the link is back
+    and dialled again, calls flow between them."""
+    out = run_group(net, tmp_path, "members")
+    logs = out.pop("logs")
+    print(json.dumps(out), logs, sep="\n")  # (shown if an assertion fails)
+    assert [r[::2] for r in out["warm"]] == [["ok", 3], ["ok", 3]], (out, logs)
+    for who, peer in (("via_w1", "w2"), ("via_w2", "w1")):
+        status, (error, seconds, text) = out[who]
+        assert status == "ok" and error == "WorkerGoneError", (out, logs)
+        assert f"{peer!r} is out of reach from" in text, (out, logs)
+        assert seconds < MEMBERS_CUT_BOUND_S, (out, logs)
+    assert out["new_call"][0] == "WorkerGoneError" and out["new_call"][1] < 1.5, (out, logs)
+    assert out["driver_to_both"] == [2, 2], out
+    whole = [[0, 1, 2], 0, []]  # every member, none taken back, nobody seen dead
+    assert out["health"] == [whole] * 3, (out, logs)
+    assert out["w1_to_w2"][::2] == ["ok", 7] and out["w2_to_w1"][::2] == ["ok", 9], (out, logs)
+    assert out["health_end"] == [whole] * 3, (out, logs)
+    assert out["shutdown"] == "ok" and out["exits"] == [0, 0, 0], (out, logs)
+
+    with capsys.disabled():
+        print(f"\npartition: h2 and h3 cut off from each other -> their calls failed in "
+              f"{out['via_w1'][1][1]:.2f} / {out['via_w2'][1][1]:.2f} s (bound "
+              f"{MEMBERS_CUT_BOUND_S} s); nobody evicted; link back -> calls flow again in "
+              f"{out['healed_s']:.2f} s")

@@ -393,8 +393,12 @@ class Caller:
         that have no answer yet."""
         return sum(p.started >= started for p in list(self.pending.values()))
 
+    def peers_waited_on(self) -> set[int]:
+        """The ranks this agent's calls in flight wait on."""
+        return {p.peer for p in list(self.pending.values())}
+
     def fail_calls_to(self, rank: int, name: str, why: str) -> None:
-        """``rank`` (``name``) left the group (``why``): its calls fail."""
+        """``rank`` (``name``) left the group, or is out of reach (``why``): its calls fail."""
         for mid, p in list(self.pending.items()):
             if p.peer == rank and self.pending.pop(mid, None) is not None:
                 if p.timer is not None:

@@ -4,7 +4,9 @@
 (``agent.control``); the agent's dispatch hands it the CONTROL messages. They
 carry group membership (join, members, joined, left), heartbeats and the
 shutdown rounds; their handlers never block and never run user code. Every
-heartbeat interval :meth:`Control.tick` sends heartbeats and, on the
+heartbeat interval :meth:`Control.tick` sends heartbeats (and, from a member
+waiting on another member, to that member too: a link cut between two members
+fails their calls to each other, :meth:`Control._watch_peers`) and, on the
 coordinator, asks the :class:`~.group.Coordinator` whom to declare dead: a
 member whose connection closed (its process exited, or its host stopped
 acknowledging) after ``link_timeout``; one that is only silent, with its link
@@ -71,6 +73,7 @@ class Control:
         self.last_tick = 0.0
         self._recheck_due = False  # a check of the links is set before the next tick
         self.readmitted = 0  # members (or the coordinator) taken back after a wrong suspicion
+        self._unreachable: dict[int, float] = {}  # peer -> since when its cut link was reported
 
     def send(self, rank: int, msg: Any) -> None:
         payload, buffers = dumps(msg)
@@ -236,6 +239,7 @@ class Control:
             self._declare_dead(now)
             self.send_all([(rank, beat) for rank in self.members.ranks() if rank != 0])
             return
+        self._watch_peers(now, beat, stalled)
         if 0 not in self.members:
             return  # declared dead: its heartbeat, if it comes, takes it back
         if stalled or not self.coordinator_seen:
@@ -253,6 +257,42 @@ class Control:
                 self.io.call_soon(self.rejoin)
             return
         self.send_all([(0, beat)])
+
+    def _watch_peers(self, now: float, beat: Heartbeat, stalled: bool) -> None:
+        """A member's calls to another member (not the coordinator, which
+        declares the dead): while it waits on a peer, it sends that peer a
+        heartbeat each tick, so that a link cut between the two hosts has data
+        in flight and the kernel closes it (``TCP_USER_TIMEOUT``), as it does
+        the links to the coordinator. The coordinator still hears both members
+        and declares neither dead, so nobody else would end those calls: once
+        the link to the peer has been down for ``2 * link_timeout`` (the
+        coordinator's verdict on a peer that died comes first), its calls fail
+        with :class:`~nbrpc.errors.WorkerGoneError` and the peer stays a member.
+        Not after a stall of this process: its link events are late too."""
+        waited = self.agent.caller.peers_waited_on()
+        waited.discard(0)
+        waited.discard(self.rank)
+        if not waited:
+            return
+        limit = 2 * self.options.link_timeout
+        probes = []
+        for rank in sorted(waited):
+            if rank not in self.members:
+                continue  # (gone: its calls failed as it left)
+            name = self.members.peer_name(rank)
+            since = None if stalled else self.io.link_down_since(rank)
+            if since is None or now - since <= limit:
+                probes.append((rank, beat))
+                continue
+            why = (f"is out of reach from {self.name!r}: the connection to it has been down for "
+                   f"{now - since:.1f} s, though the group still counts it a member (a network "
+                   "cut between the two hosts? calls go through again once it is mended)")
+            if self._unreachable.get(rank) != since:  # once per cut, however many calls fail
+                self._unreachable[rank] = since
+                log.warning("nbrpc agent %r: worker %r (rank %d) %s", self.name, name, rank, why)
+                self.agent.events.add("peer-unreachable", "", name, 0, 0)
+            self.agent.caller.fail_calls_to(rank, name, why)
+        self.send_all(probes)
 
     def _declare_dead(self, now: float) -> None:
         """Coordinator: declare dead the members the rules give up on. A down
