@@ -819,3 +819,34 @@ def test_an_engine_agent_exits_once_its_driver_is_gone() -> None:
         if proc.poll() is None:
             proc.kill()
             proc.wait(5)
+
+
+# An engine that registers, but whose heart never beats: ipyparallel's hub
+# accepts the registration and waits for a heartbeat that never comes.
+HEARTLESS_ENGINE = ("from ipyparallel.engine import app; app.Heart.start = lambda self: None; "
+                    "app.IPEngine.launch_instance()")
+
+
+def test_an_engine_the_controller_never_hears_beat_fails_the_start_with_its_log(
+        own_cluster: None) -> None:
+    """The start waits ``timeout`` for the engine, then fails naming it, with
+    the engine's output and what the controller logged about its registration
+    (accepted; purged after 30 s if it never beats)."""
+    from nbrpc.cluster.ipp import ClusterError
+
+    cluster = Cluster(progress=False, launcher="local", timeout=8,
+                      launcher_options={"engine_cmd": [sys.executable, "-c", HEARTLESS_ENGINE]})
+    t0 = time.monotonic()
+    with pytest.raises(ClusterError) as info:
+        cluster.start(1)
+    took = time.monotonic() - t0
+    try:
+        text = str(info.value)
+        assert "['worker1'] not ready within 8 s" in text, text
+        assert "Completed registration with id 1" in text, text  # the engine's side
+        assert "--- the controller, on registrations ---" in text, text
+        assert "registration::accepting registration 1:" in text, text  # the hub's side
+        assert "finished registering" not in text, text
+        assert took < 30, took
+    finally:
+        cluster.stop()

@@ -170,6 +170,39 @@ def _closed_by_peer(s: socket.socket, timeout: float = 5) -> bool:
     return True
 
 
+def test_an_engines_connection_not_through_in_time_is_closed_to_be_dialled_again(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A driver's relay whose SYNs go unanswered (here: a listener whose accept
+    queue is full, so its kernel drops them): the engine's end closes the
+    connection after ``CONNECT_TIMEOUT``, and ZeroMQ dials again, rather than
+    leave an engine channel (its heart's, say) dead for the kernel's two
+    minutes of SYN retries."""
+    monkeypatch.setattr(relay, "CONNECT_TIMEOUT", 0.5)
+    full = socket.socket()
+    full.bind(("127.0.0.1", 0))
+    full.listen(0)
+    fillers = []
+    for _ in range(3):  # the queue holds one; SYNs after it are dropped
+        c = socket.socket()
+        c.setblocking(False)
+        c.connect_ex(full.getsockname())
+        fillers.append(c)
+    engine = relay.EngineRelay(full.getsockname(), relay.relay_token(KEY), [PORT],
+                               str(tmp_path)).start()
+    try:
+        t0 = time.monotonic()
+        with _through(engine) as s:
+            assert s.recv(1) == b""  # closed by the engine's end
+        took = time.monotonic() - t0
+        assert 0.4 < took < 3, took
+        assert engine._splicer.gave_up == 1
+        poll_or_fail(lambda: engine._splicer.pairs == 0, 2, "the pair to be counted closed")
+    finally:
+        engine.stop()
+        for c in (*fillers, full):
+            c.close()
+
+
 def test_a_connection_without_the_key_reaches_nothing(ends) -> None:
     driver, _, echo = ends
     with _raw(driver) as s:

@@ -515,7 +515,8 @@ class Cluster:
                         f"{refused}: an engine with another cluster's connection file, or "
                         "something else reaching the relay's port. " if refused else "")
                     + "Raise timeout=..., or look at the engines' output:\n"
-                    + "\n".join(self._engine_output(n) for n in sorted(pending)))
+                    + "\n".join(self._engine_output(n) for n in sorted(pending))
+                    + self._controller_notes())
             time.sleep(0.01)
         if self._device_options("driver"):
             gpus_.check_group(self.agent)
@@ -583,6 +584,17 @@ class Cluster:
         except Exception as e:  # noqa: BLE001 - diagnostics only
             text = f"(output unavailable: {e})"
         return f"--- {name} ---\n{text[-3000:] or '(no output)'}"
+
+    def _controller_notes(self) -> str:
+        """What the controller logged about registrations and its relay (an
+        engine it accepted but never heard beat is purged after 30 s), for an
+        error: "" when it logged nothing of the kind."""
+        try:
+            text = self._ipp.controller.get_output() if self._ipp and self._ipp.controller else ""
+        except Exception as e:  # noqa: BLE001 - diagnostics only
+            return f"\n--- the controller ---\n(output unavailable: {e})"
+        notes = controller_notes(text or "")
+        return f"\n--- the controller, on registrations ---\n{notes}" if notes else ""
 
     def add(self, n: int) -> list[str]:
         """Start ``n`` more workers (ranks after the highest); returns their names."""
@@ -874,6 +886,25 @@ def _check_count(n: Any, what: str) -> int:
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise ValueError(f"{what} needs a number of workers >= 1, got {n!r}")
     return n
+
+
+CONTROLLER_NOTES = ("registration::", "heartbeat::", "controller relay")
+
+
+def controller_notes(text: str, limit: int = 15) -> str:
+    r"""The last ``limit`` lines of ipyparallel's controller log that say how
+    engines' registrations went (accepted, finished, purged for want of a
+    heartbeat) and what the relay refused or could not dial.
+
+    >>> print(controller_notes("[IPController] hub::created hub\n"
+    ...                        "[IPController] registration::accepting registration 1:ab\n"
+    ...                        "[IPController] WARNING | registration::purging stalled "
+    ...                        "registration 1:ab\n"))
+    [IPController] registration::accepting registration 1:ab
+    [IPController] WARNING | registration::purging stalled registration 1:ab
+    """
+    lines = [ln for ln in text.splitlines() if any(k in ln for k in CONTROLLER_NOTES)]
+    return "\n".join(lines[-limit:])
 
 
 def _wait_for_file(path: str, timeout: float) -> str:

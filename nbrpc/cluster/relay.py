@@ -64,6 +64,11 @@ HELLO_TIMEOUT = 10.0  # seconds a connection has to send its HELLO
 MAX_WAITING = 64  # connections without a HELLO yet, at most
 DIAL_TIMEOUT = 5.0  # seconds to reach a controller channel whose backlog is full
 DIAL_RETRY = 0.01  # seconds between those tries
+# Seconds for the engine's end to get through to the driver's relay (SYNs sent
+# at 0, 1 and 3 s): a connection still not through is closed, and ZeroMQ dials
+# again at once, rather than sit for the kernel's two minutes of SYN retries
+# with an engine channel (its heart's, say) silently dead meanwhile.
+CONNECT_TIMEOUT = 5.0
 BUFFER = 1 << 18  # bytes held per direction of a spliced connection
 STALL_S = 0.5  # seconds from a select to its timers beyond which it selects once more first
 REPORT_DELAY = 0.2  # seconds between writes of the refusals' report, at least
@@ -151,6 +156,7 @@ class Splicer:
         self._deadlines: list[tuple[float, int, Callable[[], object]]] = []  # a heap
         self._count = itertools.count()
         self.pairs = 0  # spliced pairs open
+        self.gave_up = 0  # connections closed for not getting through in time
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
 
     def start(self) -> Splicer:
@@ -184,15 +190,25 @@ class Splicer:
         heapq.heappush(self._deadlines, (time.monotonic() + seconds, next(self._count), fn))
 
     def splice(self, a: socket.socket, b: socket.socket, *, to_b: bytes = b"",
-               b_connecting: bool = False) -> None:
+               b_connecting: bool = False, connect_timeout: float | None = None) -> None:
         """Copy ``a``'s bytes to ``b`` and back, ``to_b`` first; ``b`` may
-        still be connecting (a non-blocking connect in progress)."""
+        still be connecting (a non-blocking connect in progress), for at most
+        ``connect_timeout`` seconds: then both are closed."""
         ea, eb = _End(a), _End(b, bytearray(to_b), connecting=b_connecting)
         ea.peer, eb.peer = eb, ea
         for end in (ea, eb):
             end.sock.setblocking(False)
             self._update(end)
         self.pairs += 1
+        if b_connecting and connect_timeout is not None:
+            self.later(connect_timeout, lambda: self._connect_expired(eb, connect_timeout))
+
+    def _connect_expired(self, end: _End, seconds: float) -> None:
+        if end.connecting and end.peer is not None:  # (not through, and not closed since)
+            self.gave_up += 1
+            log.warning("%s: a connection was not through after %g s; closed, so that its "
+                        "dialler tries again (%d so far)", self.name, seconds, self.gave_up)
+            self._close_pair(end)
 
     # -- the loop --------------------------------------------------------------
     @staticmethod
@@ -572,7 +588,8 @@ class EngineRelay:
             conn.close()
             return
         self._splicer.splice(conn, out, to_b=hello(self._token, port),
-                             b_connecting=err == errno.EINPROGRESS)
+                             b_connecting=err == errno.EINPROGRESS,
+                             connect_timeout=CONNECT_TIMEOUT)
 
 
 # -- the engine's side, from its environment -------------------------------------
