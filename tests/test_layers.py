@@ -98,3 +98,18 @@ def test_importing_nbrpc_starts_no_thread_and_no_socket() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.stdout.strip() == "clean", out.stderr
+
+
+def test_an_agent_never_started_and_let_go_closes_its_sockets_and_context() -> None:
+    """The garbage collector may finalize a zmq context before its sockets, and
+    term() then waits for them for ever (the interpreter's exit hung so): the
+    hub closes its sockets, then the context, when it is let go unclosed."""
+    import gc
+
+    from nbrpc.agent import Agent
+
+    agent = Agent("x", 0, b"k" * 32, world_size=1)
+    ctx, router = agent.io._zmq.ctx, agent.io._zmq.router
+    del agent
+    gc.collect()
+    assert router.closed and ctx.closed

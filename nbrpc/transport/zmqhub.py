@@ -59,6 +59,7 @@ import os
 import socket
 import sys
 import time
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
@@ -241,6 +242,12 @@ class ZmqHub:
         self.handlers: dict[Any, Callable[[], None]] = {}
         self._monitors: dict[zmq.Socket, tuple[int, Any]] = {}  # monitor -> (peer, dealer)
         self._poller: zmq.Poller | None = None
+        # A hub dropped without close() (an Agent made, never started, and let
+        # go) must not leave its context to the garbage collector, which may
+        # finalize the context before its sockets: term() then waits for them
+        # for ever (at interpreter exit too). This closes them first.
+        self._finalizer = weakref.finalize(self, _drop, self.ctx,
+                                           [router, self._zap, self._router_events])
 
     @property
     def closed(self) -> bool:
@@ -451,6 +458,7 @@ class ZmqHub:
     def close(self) -> None:
         """Close the ROUTER, ZAP and monitors, then the context (every DEALER
         must be closed before: the context waits for its sockets)."""
+        self._finalizer.detach()
         for _, dealer in list(self._monitors.values()):
             close_monitor(dealer)
         self._monitors.clear()
@@ -460,6 +468,20 @@ class ZmqHub:
         if self._zap is not None:
             self._zap.close(linger=0)
         self.ctx.term()
+
+
+def _drop(ctx: zmq.Context, sockets: list) -> None:
+    """Close ``sockets`` (the first, the ROUTER, has a monitor), then the rest
+    of ``ctx``'s, then ``ctx``: a hub nobody closed."""
+    router, *others = sockets
+    try:
+        router.disable_monitor()
+    except zmq.ZMQError:
+        pass
+    for sock in (router, *others):
+        if sock is not None and not sock.closed:
+            sock.close(linger=0)
+    ctx.destroy(linger=0)
 
 
 def close_monitor(dealer: Any) -> None:
