@@ -8,9 +8,12 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import json
 import multiprocessing
 import os
+import socket
 import stat
+import sys
 import threading
 import time
 import warnings
@@ -244,6 +247,48 @@ def test_file_rendezvous_lives_beside_a_c10d_filestore_on_the_same_url(shared) -
         "tcp://127.0.0.1:1234", key)
     assert store.get("before") == b"1" and store.get("after") == b"2"
     assert _mode(Path(rdv.file)) == 0o600
+
+
+def test_a_static_groups_record_tells_a_dynamic_joiner_and_holds_no_address(shared) -> None:
+    """Once a static group has joined, its rank 0's record keeps no address (a
+    re-init must not find it) but says a static group runs there: a dynamic
+    joiner gets PyTorch's error at once, a static one waits for a new rank 0,
+    and a record whose process is gone is waited past. Rank 0 removes only
+    its own record."""
+    import subprocess
+
+    path = str(shared / "rdv")
+    rendezvous.publish(path, "tcp://127.0.0.1:1234", b"k" * 32)
+    rendezvous.mark_static(path)
+    assert "1234" not in Path(path).read_text() and _mode(Path(path)) == 0o600
+    t0 = time.monotonic()
+    with pytest.raises(RendezvousError, match=r"^RPC group mixes statically and dynamically "
+                       r"initialized members which is not supported\. A static group "
+                       rf"\(init_rpc with a world_size\) runs at {path} \(its rank 0 is "
+                       rf"process {os.getpid()} on"):
+        rendezvous.lookup(path, 5, dynamic=True)
+    assert time.monotonic() - t0 < 1
+    with pytest.raises(RendezvousError, match="did not publish"):
+        rendezvous.lookup(path, 0.2)  # a static joiner: no address here
+
+    rendezvous.withdraw(path, "tcp://127.0.0.1:1234")
+    assert not os.path.exists(path)  # ours (this process's mark): removed
+
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, timeout=30)
+    Path(path).write_text(json.dumps({"static": True, "host": socket.gethostname(),
+                                      "pid": int(gone.stdout)}))
+    os.chmod(path, 0o600)
+    with pytest.raises(RendezvousError, match="did not publish"):  # left behind: waited past
+        rendezvous.lookup(path, 0.2, dynamic=True)
+    rendezvous.withdraw(path, "tcp://127.0.0.1:1234")
+    assert os.path.exists(path)  # another process's mark: left alone
+
+    rendezvous.publish(path, "tcp://127.0.0.1:5678", b"k" * 32)  # a newer rank 0's
+    rendezvous.withdraw(path, "tcp://127.0.0.1:1234")
+    assert rendezvous.lookup(path, 1) == ("tcp://127.0.0.1:5678", b"k" * 32)
+    rendezvous.withdraw(path, "tcp://127.0.0.1:5678")
+    assert not os.path.exists(path)
 
 
 def test_lookup_times_out_with_advice(shared) -> None:

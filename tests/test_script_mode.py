@@ -33,6 +33,7 @@ default), and the parent kills what is still alive after ``WORLD_TIMEOUT_S``.
 from __future__ import annotations
 
 import faulthandler
+import json
 import os
 import tempfile
 import threading
@@ -753,9 +754,11 @@ def calls_keep_working_while_master_shuts_down():
 @_check("file")
 def file_init_method():
     record = Path(_CTX["file_path"] + ".nbrpc")  # (beside c10d's FileStore file)
-    # a static group removes its rendezvous file once everyone has joined, so a
-    # re-init with the same path can never read this group's address
-    assert not record.exists()
+    # a static group's rendezvous record loses its address once everyone has
+    # joined, so a re-init with the same path can never read it; it says only
+    # that a static group runs there (a dynamic joiner is refused)
+    assert json.loads(record.read_text())["static"] is True
+    assert "address" not in record.read_text() and "key" not in record.read_text()
     for name in NAMES:
         assert rpc.rpc_sync(name, whoami, timeout=10) == name
     assert rpc.rpc_sync("worker2", _nested, args=(["worker1"],), timeout=10) == [

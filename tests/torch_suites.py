@@ -229,12 +229,6 @@ KNOWN_FAILING: dict[str, dict[str, str]] = {
             "nbrpc.errors.RendezvousError: 'worker1' could not join the group within 60 s. "
             "(PyTorch's dynamic members exchange addresses through the store, with no "
             'coordinator.)',
-        'test_dynamic_and_static_init_rpc_together':
-            "a static group's rank 0 removes the file:// rendezvous once all have joined (a "
-            're-init must not find its address), so a dynamic joiner with the same file '
-            "waits for a rank 0 that never publishes instead of PyTorch's \"RPC group mixes "
-            'statically and dynamically initialized members\" error. Seen: RendezvousError: '
-            'rank 0 did not publish its address in ... within 60 s',
     },
     'RpcTest': {
         'test_wait_all_exit_early_builtin':

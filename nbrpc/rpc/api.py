@@ -75,7 +75,7 @@ def init_rpc(
         elif rank == 0:
             agent = _coordinate_through_file(make, rdv.file, world_size, join_timeout)
         else:
-            agent = _join_through_file(make, rdv.file, join_timeout)
+            agent = _join_through_file(make, rdv.file, join_timeout, world_size is None)
         set_default_agent(agent)
 
 
@@ -94,19 +94,23 @@ def _coordinate_through_file(make: Callable[[bytes], Agent], path: str,
     except BaseException:
         _unlink(path)  # a dead address must not be found by the next run
         raise
-    if world_size is None:
-        agent.ext["rendezvous_file"] = path  # late joiners need it; removed at shutdown
-    else:
-        _unlink(path)  # everyone has joined: a re-init must not find this address
+    if world_size is not None:  # everyone has joined: a re-init must not find this address
+        try:
+            rendezvous.mark_static(path)  # (a dynamic joiner with this file is told)
+        except RendezvousError as e:
+            log.warning("nbrpc: %s", e)
+            _unlink(path)
+    agent.ext["rendezvous_file"] = path  # removed at shutdown
     return agent
 
 
-def _join_through_file(make: Callable[[bytes], Agent], path: str, timeout: float) -> Agent:
+def _join_through_file(make: Callable[[bytes], Agent], path: str, timeout: float,
+                       dynamic: bool) -> Agent:
     """Ranks > 0 of a file:// group. A stale file (from a run that crashed) may
     be read before rank 0 replaces it: while waiting, re-read it, and start
     over with the new address and key if it changes."""
     deadline = time.monotonic() + timeout
-    published = rendezvous.lookup(path, timeout)
+    published = rendezvous.lookup(path, timeout, dynamic)
     agent = make(published[1])
     agent.begin(published[0])
     while not agent.wait_joined(min(0.2, max(0.0, deadline - time.monotonic()))):
@@ -159,7 +163,7 @@ def shutdown(graceful: bool = True, timeout: float = 0, leak_check: bool | None 
         return
     path = agent.ext.get("rendezvous_file")
     if path:  # first, so that no re-init can read this group's address
-        _unlink(path)
+        rendezvous.withdraw(path, agent.address)
     try:
         if leak_check is None:
             leak_check = os.environ.get("NBRPC_LEAK_CHECK", "") not in ("", "0")

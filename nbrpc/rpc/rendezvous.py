@@ -321,6 +321,19 @@ def publish(path: str, address: str, key: bytes) -> None:
     """Rank 0 writes its address and the group key, atomically, readable by its
     user only: into a fresh file under an unpredictable name, renamed over
     ``path`` only if nothing of someone else's is there."""
+    _write_record(path, {"address": address, "key": key.hex()})
+
+
+def mark_static(path: str) -> None:
+    """Rank 0 of a static group (a ``world_size``), once everyone has joined:
+    the record keeps no address (a re-init must not find this group) but says
+    that a static group runs here, and in which process, so that a dynamic
+    joiner given the same file gets PyTorch's error instead of waiting (see
+    :func:`lookup`). Removed at ``shutdown()``, as a dynamic group's record."""
+    _write_record(path, {"static": True, "host": socket.gethostname(), "pid": os.getpid()})
+
+
+def _write_record(path: str, record: dict) -> None:
     directory = os.path.dirname(os.path.abspath(path))
     try:
         fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{os.path.basename(path)}.",
@@ -329,7 +342,7 @@ def publish(path: str, address: str, key: bytes) -> None:
         raise RendezvousError(f"cannot write the rendezvous file in {directory}: {e}") from e
     try:
         with os.fdopen(fd, "w") as f:
-            json.dump({"address": address, "key": key.hex()}, f)
+            json.dump(record, f)
         try:
             owner = os.lstat(path).st_uid
         except FileNotFoundError:
@@ -361,22 +374,62 @@ def _owner(path: str) -> int | None:
         return None
 
 
+def withdraw(path: str, address: str) -> None:
+    """Rank 0's shutdown: remove its record (its ``address``, or its static
+    group's mark), and not one that a newer rank 0 has published there since."""
+    try:
+        with _open_private(path, "rendezvous file") as f:
+            data = json.load(f)
+        ours = (data.get("address") == address if not data.get("static") else
+                (data.get("host"), data.get("pid")) == (socket.gethostname(), os.getpid()))
+        if ours:
+            os.unlink(path)
+    except (OSError, RendezvousError, json.JSONDecodeError, AttributeError):
+        pass  # gone, or not ours to remove
+
+
+def _holder_alive(record: dict) -> bool:
+    """Whether the process a static group's record names still runs (on
+    another host: assumed so, as nothing here can tell)."""
+    if record.get("host") != socket.gethostname():
+        return True
+    try:
+        os.kill(int(record["pid"]), 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError):
+        return True
+    return True
+
+
 def file_key() -> bytes:
     """The key rank 0 of a file:// group signs with: from ``NBRPC_SECRET_KEY``
     if set, else fresh random bytes for this run."""
     return _env_key() or new_key()
 
 
-def lookup(path: str, timeout: float) -> tuple[str, bytes]:
+def lookup(path: str, timeout: float, dynamic: bool = False) -> tuple[str, bytes]:
     """Wait (bounded) for rank 0 to publish; returns (address, key). A file that
-    is not ours and private, or a symbolic link, is refused at once."""
+    is not ours and private, or a symbolic link, is refused at once. A static
+    group's record (:func:`mark_static`) is no address: a static joiner waits
+    on for a new rank 0, a ``dynamic`` one gets PyTorch's error while that
+    group's rank 0 runs (a record its process left behind is waited past)."""
     deadline = time.monotonic() + (timeout if timeout > 0 else 60.0)
     while True:
         try:
             with _open_private(path, "rendezvous file") as f:
                 data = json.load(f)
-            return data["address"], bytes.fromhex(data["key"])
-        except (FileNotFoundError, json.JSONDecodeError, KeyError, TypeError, ValueError):
+            if not data.get("static"):
+                return data["address"], bytes.fromhex(data["key"])
+            if dynamic and _holder_alive(data):
+                raise RendezvousError(
+                    "RPC group mixes statically and dynamically initialized members which "
+                    f"is not supported. A static group (init_rpc with a world_size) runs at "
+                    f"{path} (its rank 0 is process {data.get('pid')} on {data.get('host')}): "
+                    "give this worker that group's rank and world_size, or give the dynamic "
+                    "group an init_method of its own.")
+        except (FileNotFoundError, json.JSONDecodeError, KeyError, TypeError, ValueError,
+                AttributeError):
             pass
         if time.monotonic() > deadline:
             raise RendezvousError(
