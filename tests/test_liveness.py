@@ -84,10 +84,14 @@ def test_a_member_whose_link_to_another_stays_down_fails_its_calls_to_it(monkeyp
     it waits, it heartbeats the peer (data in flight, so the kernel notices a
     cut); a peer that only died is reported by the coordinator first."""
     with local_group(["a", "b", "c"], heartbeat_interval=0.2) as (a, b, c):
-        sent: list = []
+        sent: list = []  # (rank, message type) of b's control messages
         send = b.control.send
-        monkeypatch.setattr(b.control, "send", lambda r, m: (sent.append((r, type(m).__name__)),
-                                                             send(r, m))[1])
+
+        def recording(rank, msg):
+            sent.append((rank, type(msg).__name__))
+            send(rank, msg)
+
+        monkeypatch.setattr(b.control, "send", recording)
         fut = b.rpc_async("c", sleep_then, (4, "never"))  # (c serves it; b stops waiting)
         assert poll_for(lambda: (2, "Heartbeat") in sent, timeout=2)  # probes while it waits
         real = b.io.link_down_since
@@ -108,14 +112,13 @@ def test_a_member_whose_link_to_another_stays_down_fails_its_calls_to_it(monkeyp
         monkeypatch.setattr(b.io, "link_down_since", real)  # the link is back
         assert b.rpc_async("c", add, (2, 3)).wait() == 5 and c.rpc_async("b", add, (3, 4)).wait() == 7
         sent.clear()
-        time.sleep(0.5)
+        time.sleep(0.5)  # deliberate: two ticks and more, in which nothing may be sent to c
         assert (2, "Heartbeat") not in sent  # nothing in flight to c: no probes
 
 
 def test_a_member_calling_one_that_died_hears_the_coordinators_verdict() -> None:
     with local_group(["a", "b", "c"], heartbeat_interval=0.2) as (a, b, c):
-        fut = b.rpc_async("c", sleep_then, (2, "never"))
-        time.sleep(0.1)
+        fut = b.rpc_async("c", sleep_then, (2, "never"))  # waiting on c, as far as b knows
         c.shutdown(graceful=False)
         with pytest.raises(WorkerGoneError, match=r"'c' died \(its connection closed\)"):
             fut.wait()

@@ -378,8 +378,7 @@ def withdraw(path: str, address: str) -> None:
     """Rank 0's shutdown: remove its record (its ``address``, or its static
     group's mark), and not one that a newer rank 0 has published there since."""
     try:
-        with _open_private(path, "rendezvous file") as f:
-            data = json.load(f)
+        data = _read_record(path)
         ours = (data.get("address") == address if not data.get("static") else
                 (data.get("host"), data.get("pid")) == (socket.gethostname(), os.getpid()))
         if ours:
@@ -391,15 +390,20 @@ def withdraw(path: str, address: str) -> None:
 def _holder_alive(record: dict) -> bool:
     """Whether the process a static group's record names still runs (on
     another host: assumed so, as nothing here can tell)."""
-    if record.get("host") != socket.gethostname():
-        return True
-    try:
-        os.kill(int(record["pid"]), 0)
-    except ProcessLookupError:
-        return False
-    except (PermissionError, OverflowError):
-        return True
+    if record.get("host") == socket.gethostname():
+        try:
+            os.kill(int(record["pid"]), 0)
+        except ProcessLookupError:
+            return False
+        except (OSError, OverflowError):
+            pass  # (someone else's process: it runs)
     return True
+
+
+def _read_record(path: str) -> dict:
+    """The record in the rendezvous file ``path`` (see :func:`_open_private`)."""
+    with _open_private(path, "rendezvous file") as f:
+        return json.load(f)
 
 
 def file_key() -> bytes:
@@ -417,8 +421,7 @@ def lookup(path: str, timeout: float, dynamic: bool = False) -> tuple[str, bytes
     deadline = time.monotonic() + (timeout if timeout > 0 else 60.0)
     while True:
         try:
-            with _open_private(path, "rendezvous file") as f:
-                data = json.load(f)
+            data = _read_record(path)
             if not data.get("static"):
                 return data["address"], bytes.fromhex(data["key"])
             if dynamic and _holder_alive(data):

@@ -245,7 +245,8 @@ class ZmqHub:
         # A hub dropped without close() (an Agent made, never started, and let
         # go) must not leave its context to the garbage collector, which may
         # finalize the context before its sockets: term() then waits for them
-        # for ever (at interpreter exit too). This closes them first.
+        # for ever (at interpreter exit too). This closes them first; close()
+        # runs it too.
         self._finalizer = weakref.finalize(self, _drop, self.ctx,
                                            [router, self._zap, self._router_events])
 
@@ -456,23 +457,18 @@ class ZmqHub:
         close_monitor(dealer)
 
     def close(self) -> None:
-        """Close the ROUTER, ZAP and monitors, then the context (every DEALER
-        must be closed before: the context waits for its sockets)."""
-        self._finalizer.detach()
+        """Close the monitors, the ROUTER and ZAP, then the context (every
+        DEALER must be closed before: the context waits for its sockets).
+        The finalizer's own work (:func:`_drop`), done now, once."""
         for _, dealer in list(self._monitors.values()):
             close_monitor(dealer)
         self._monitors.clear()
-        self.router.disable_monitor()  # (before its reader goes: see Dealer.close)
-        self.router.close(linger=0)
-        self._router_events.close(linger=0)
-        if self._zap is not None:
-            self._zap.close(linger=0)
-        self.ctx.term()
+        self._finalizer()
 
 
 def _drop(ctx: zmq.Context, sockets: list) -> None:
-    """Close ``sockets`` (the first, the ROUTER, has a monitor), then the rest
-    of ``ctx``'s, then ``ctx``: a hub nobody closed."""
+    """Close ``sockets`` (the first, the ROUTER, has a monitor: it is turned
+    off before its reader goes), then what else of ``ctx``'s is open, then ``ctx``."""
     router, *others = sockets
     try:
         router.disable_monitor()
