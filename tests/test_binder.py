@@ -60,10 +60,13 @@ PIP_TIMEOUT = 600  # s per pip install
 NOT_CLONED = shutil.ignore_patterns(".git", ".venv", "build", "dist", "*.egg-info", "__pycache__",
                                     ".pytest_cache", ".ruff_cache", ".ipynb_checkpoints", ".gl")
 # The parent's environment that must not reach the venv: an import path, an
-# active environment, pip targets, Jupyter/IPython/matplotlib settings.
-LEAKY_PREFIXES = ("PYTHONPATH", "PYTHONHOME", "PYTHONSTARTUP", "VIRTUAL_ENV", "PIP_USER",
-                  "PIP_TARGET", "PIP_PREFIX", "PIP_REQUIRE_VIRTUALENV", "JUPYTER", "JPY_",
-                  "IPYTHONDIR", "MPLBACKEND", "MPLCONFIGDIR", "NBRPC_")
+# active environment, pip targets, Jupyter/IPython/matplotlib settings, and
+# PYTHONDONTWRITEBYTECODE (set on some CI machines, not on Binder: the venv's
+# interpreters write the bytecode of what they import, as Binder's do).
+LEAKY_PREFIXES = ("PYTHONPATH", "PYTHONHOME", "PYTHONSTARTUP", "PYTHONDONTWRITEBYTECODE",
+                  "VIRTUAL_ENV", "PIP_USER", "PIP_TARGET", "PIP_PREFIX",
+                  "PIP_REQUIRE_VIRTUALENV", "JUPYTER", "JPY_", "IPYTHONDIR", "MPLBACKEND",
+                  "MPLCONFIGDIR", "NBRPC_")
 
 # Run by the venv's python: one notebook top to bottom, as "Run All" would; the
 # executed copy is written even when a cell fails. A failing cell raises
@@ -149,7 +152,11 @@ def binder_env(tmp_path_factory: pytest.TempPathFactory) -> BinderEnv:
     python = venv / "bin" / "python"
     # repo2docker: `${KERNEL_PYTHON_PREFIX}/bin/pip install --no-cache-dir -r
     # "binder/requirements.txt"` with the repository root as working directory.
-    _run([venv / "bin" / "pip", "install", "--no-cache-dir", "-r", "binder/requirements.txt"],
+    # One difference, --no-compile: pip would byte-compile every module of every
+    # package (40 s of this fixture's 90 on 2 cores, mostly torch's); here the first
+    # interpreter to import a module writes its bytecode, and the rest reuse it.
+    _run([venv / "bin" / "pip", "install", "--no-cache-dir", "--no-compile", "-r",
+          "binder/requirements.txt"],
          cwd=repo, env=env, timeout=PIP_TIMEOUT, what="pip install -r binder/requirements.txt")
     # Stand-ins for repo2docker's base environment (JupyterLab 4, notebook 7),
     # which brings these: the kernel, and what runs notebooks without a browser.

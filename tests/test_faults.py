@@ -5,7 +5,8 @@ Busy is not dead: a GIL hold (a C call that never lets go, as
 (longer than the 30 s that silence was once allowed: by default, on Linux, a
 member whose kernel acknowledges its connection is never dropped for
 silence), or a 10 s SIGSTOP of a worker or of the coordinator, loses no
-member and no call. Dead is noticed
+member and no call, also when they overlap (the driver's hold and the other
+worker's stop both happen while the worker holds its GIL). Dead is noticed
 fast: a SIGKILLed worker's calls fail within 2.5 s.
 
 The test process is one member of each group (the driver, or a plain member
@@ -48,25 +49,23 @@ def test_gil_holds_and_sigstop_lose_nobody_and_sigkill_is_noticed_fast() -> None
         names = ["driver", "worker1", "worker2"]
         pids = {n: rpc.rpc_sync(n, pid) for n in names[1:]}
 
-        # 1. the driver (the coordinator) holds its GIL for 10 s
+        # 1. worker1 holds its GIL for 35 s; the other two faults happen meanwhile
         t0 = time.monotonic()
-        hold_gil(HOLD_S)
-        assert time.monotonic() - t0 >= HOLD_S - 0.5
-        time.sleep(1.5)  # a round of heartbeats
-        assert_healthy(names, 3)
-
-        # 2. a worker holds its GIL for 35 s; calls to it wait, calls elsewhere flow
         held = rpc.rpc_async("worker1", hold_gil, args=(LONG_HOLD_S,), timeout=90)
         time.sleep(0.5)
         queued = rpc.rpc_async("worker1", add, args=(20, 22), timeout=90)
-        for i in range(5):
+        for i in range(5):  # calls to it wait, calls elsewhere flow
             assert rpc.rpc_sync("worker2", add, args=(i, 1), timeout=10) == i + 1
             time.sleep(1)
-        assert held.wait() == pids["worker1"] and queued.wait() == 42
-        time.sleep(1.5)
-        assert_healthy(names, 3)
 
-        # 3. a worker is stopped for 10 s
+        # 2. the driver (the coordinator) holds its GIL for 10 s
+        t1 = time.monotonic()
+        hold_gil(HOLD_S)
+        assert time.monotonic() - t1 >= HOLD_S - 0.5
+        time.sleep(1.5)  # a round of heartbeats
+        assert_healthy(["driver", "worker2"], 3)  # worker1 still holds its GIL
+
+        # 3. worker2 is stopped for 10 s: only the driver runs Python
         os.kill(pids["worker2"], signal.SIGSTOP)
         try:
             during = rpc.rpc_async("worker2", add, args=(1, 2), timeout=60)
@@ -74,6 +73,9 @@ def test_gil_holds_and_sigstop_lose_nobody_and_sigkill_is_noticed_fast() -> None
         finally:
             os.kill(pids["worker2"], signal.SIGCONT)
         assert during.wait() == 3
+        assert time.monotonic() - t0 < LONG_HOLD_S, "the faults did not overlap: lengthen the hold"
+        assert not held.done()
+        assert held.wait() == pids["worker1"] and queued.wait() == 42
         time.sleep(1.5)
         assert_healthy(names, 3)
 
