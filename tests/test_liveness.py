@@ -116,6 +116,27 @@ def test_a_member_whose_link_to_another_stays_down_fails_its_calls_to_it(monkeyp
         assert (2, "Heartbeat") not in sent  # nothing in flight to c: no probes
 
 
+def test_a_members_cut_link_fails_its_calls_when_due_not_a_tick_later(monkeypatch) -> None:
+    """Ticks 1 s apart, a link cut just after one: the next tick sees it down
+    for 1 s of the 1.5 allowed and checks again at 1.5 s, not at 2 s."""
+    with local_group(["a", "b", "c"], heartbeat_interval=1.0, link_timeout=0.75) as (a, b, c):
+        real, send, cut = b.io.link_down_since, b.control.send, []
+
+        def cut_at_the_first_probe(rank, msg):  # on b's I/O thread, in its tick
+            if rank == 2 and not cut:
+                cut.append(time.monotonic())
+            send(rank, msg)
+
+        monkeypatch.setattr(b.control, "send", cut_at_the_first_probe)
+        monkeypatch.setattr(b.io, "link_down_since",
+                            lambda r: cut[0] if r == 2 and cut else real(r))
+        fut = b.rpc_async("c", sleep_then, (6, "never"))
+        with pytest.raises(WorkerGoneError, match="'c' is out of reach from 'b'"):
+            fut.wait()
+        took = time.monotonic() - cut[0]
+        assert 1.5 <= took < 1.85, f"failed {took:.2f} s after the cut (due at 1.5, tick at 2)"
+
+
 def test_a_member_calling_one_that_died_hears_the_coordinators_verdict() -> None:
     with local_group(["a", "b", "c"], heartbeat_interval=0.2) as (a, b, c):
         fut = b.rpc_async("c", sleep_then, (2, "never"))  # waiting on c, as far as b knows

@@ -268,31 +268,36 @@ class Control:
         the link to the peer has been down for ``2 * link_timeout`` (the
         coordinator's verdict on a peer that died comes first), its calls fail
         with :class:`~nbrpc.errors.WorkerGoneError` and the peer stays a member.
-        Not after a stall of this process: its link events are late too."""
-        waited = self.agent.caller.peers_waited_on()
-        waited.discard(0)
-        waited.discard(self.rank)
-        if not waited:
-            return
-        limit = 2 * self.options.link_timeout
-        probes = []
-        for rank in sorted(waited):
-            if rank not in self.members:
-                continue  # (gone: its calls failed as it left)
-            name = self.members.peer_name(rank)
-            since = None if stalled else self.io.link_down_since(rank)
-            if since is None or now - since <= limit:
-                probes.append((rank, beat))
-                continue
-            why = (f"is out of reach from {self.name!r}: the connection to it has been down for "
-                   f"{now - since:.1f} s, though the group still counts it a member (a network "
-                   "cut between the two hosts? calls go through again once it is mended)")
-            if self._unreachable.get(rank) != since:  # once per cut, however many calls fail
-                self._unreachable[rank] = since
-                log.warning("nbrpc agent %r: worker %r (rank %d) %s", self.name, name, rank, why)
-                self.agent.events.add("peer-unreachable", "", name, 0, 0)
-            self.agent.caller.fail_calls_to(rank, name, why)
-        self.send_all(probes)
+        A link that comes due before the next tick is checked again then, as the
+        coordinator's are. Not after a stall of this process: its link events
+        are late too."""
+        reachable = [r for r in self._peers_waited_on() if not self._fail_if_cut(now, r, stalled)]
+        self.send_all([(rank, beat) for rank in reachable])
+        if not stalled:
+            downs = [self.io.link_down_since(r) for r in reachable]
+            dues = [since + 2 * self.options.link_timeout for since in downs if since is not None]
+            self._recheck_at(now, min(dues, default=None))
+
+    def _peers_waited_on(self) -> list[int]:
+        """The members, other than the coordinator, that calls in flight wait on."""
+        waited = self.agent.caller.peers_waited_on() - {0, self.rank}
+        return sorted(r for r in waited if r in self.members)  # (gone: its calls failed)
+
+    def _fail_if_cut(self, now: float, rank: int, stalled: bool) -> bool:
+        """Fails the calls to ``rank`` if its link has been down too long; True then."""
+        since = None if stalled else self.io.link_down_since(rank)
+        if since is None or now - since <= 2 * self.options.link_timeout:
+            return False
+        name = self.members.peer_name(rank)
+        why = (f"is out of reach from {self.name!r}: the connection to it has been down for "
+               f"{now - since:.1f} s, though the group still counts it a member (a network "
+               "cut between the two hosts? calls go through again once it is mended)")
+        if self._unreachable.get(rank) != since:  # once per cut, however many calls fail
+            self._unreachable[rank] = since
+            log.warning("nbrpc agent %r: worker %r (rank %d) %s", self.name, name, rank, why)
+            self.agent.events.add("peer-unreachable", "", name, 0, 0)
+        self.agent.caller.fail_calls_to(rank, name, why)
+        return True
 
     def _declare_dead(self, now: float) -> None:
         """Coordinator: declare dead the members the rules give up on. A down
@@ -304,19 +309,29 @@ class Control:
             why = self._death(now, down.get(rank))
             self.send_all(self.coordinator.on_leave(rank, dead=True, why=why))
             self.agent.remove_member(rank, dead=True, why=why)
-        due = self.coordinator.link_due(opts.link_timeout, down)
-        if due is not None and due < now + opts.heartbeat_interval and not self._recheck_due:
+        self._recheck_at(now, self.coordinator.link_due(opts.link_timeout, down))
+
+    def _recheck_at(self, now: float, due: float | None) -> None:
+        """Checks the links again at ``due`` if that comes before the next tick."""
+        if due is not None and due < now + self.options.heartbeat_interval and not self._recheck_due:
             self._recheck_due = True
             self.io.call_later(max(0.0, due - now) + 0.01, self._recheck_links)
 
     def _recheck_links(self) -> None:
+        """The coordinator's verdicts, or a member's calls to a peer out of
+        reach, at the moment a down link comes due rather than a tick later."""
         self._recheck_due = False
         now, beat = time.monotonic(), self.options.heartbeat_interval
         if now - self.last_tick > beat + max(1.0, beat):
             return  # this process was stalled: the tick, late too, resets who it watches
-        if (self.agent.state != "stopped" and self.coordinator is not None and self.joined.is_set()
-                and not self.join_error and not self.leaving.cut):
+        if (self.agent.state == "stopped" or not self.joined.is_set() or self.join_error
+                or self.leaving.cut):
+            return
+        if self.coordinator is not None:
             self._declare_dead(now)
+        else:
+            for rank in self._peers_waited_on():
+                self._fail_if_cut(now, rank, stalled=False)
 
     def _death(self, now: float, down_since: float | None) -> str:
         if down_since is not None and now - down_since > self.options.link_timeout:
