@@ -245,12 +245,21 @@ KNOWN_FAILING: dict[str, dict[str, str]] = {
 # Public API, failing now and then whatever the load: left out of make test.
 FLAKY: dict[str, dict[str, str]] = {
     'DdpComparisonTest': {
+        'test_ddp_comparison':
+            "hangs about one run in ten, against nbrpc (1 of 12, 1 of 18 and 2 of 16 in "
+            "loops here, before and after 2026-11-28's changes) and against PyTorch's own "
+            "TensorPipe agent alike (1 of 16 here, with its own fixture): one rank never "
+            "reaches rpc.shutdown(). Its stack (faulthandler) ends at the test method's "
+            "call of _run_test_ddp_comparision, which has returned: it is in native code "
+            "as that frame's DDP model and gloo group are freed, a native thread beside it; "
+            "PyTorch's fixture could not get that rank's traceback at all. The other "
+            "ranks' shutdown times out waiting for it (60 s, then a retry in make test).",
         'test_ddp_comparison_uneven_inputs':
             "hangs about one run in eight, against nbrpc (1 of 8 in a loop here; "
             "the 3 other ranks' shutdown then times out after 60 s) and against "
             "PyTorch's own TensorPipe agent alike (1 of 8 here, with its own "
             "fixture): DDP's join() for uneven inputs under distributed autograd. "
-            "Passes otherwise, as do the other 7 DDP tests.",
+            "Passes otherwise, as do 6 of the other 7 DDP tests (test_ddp_comparison above).",
     },
 }
 # Where nbrpc differs from PyTorch on purpose (docs/development.md, "PyTorch's own tests").
