@@ -271,11 +271,11 @@ class Control:
         A link that comes due before the next tick is checked again then, as the
         coordinator's are. Not after a stall of this process: its link events
         are late too."""
-        reachable = [r for r in self._peers_waited_on() if not self._fail_if_cut(now, r, stalled)]
+        down = {r: None if stalled else self.io.link_down_since(r) for r in self._peers_waited_on()}
+        reachable = [r for r, since in down.items() if not self._fail_if_cut(now, r, since)]
         self.send_all([(rank, beat) for rank in reachable])
         if not stalled:
-            downs = [self.io.link_down_since(r) for r in reachable]
-            dues = [since + 2 * self.options.link_timeout for since in downs if since is not None]
+            dues = [down[r] + 2 * self.options.link_timeout for r in reachable if down[r] is not None]
             self._recheck_at(now, min(dues, default=None))
 
     def _peers_waited_on(self) -> list[int]:
@@ -283,9 +283,9 @@ class Control:
         waited = self.agent.caller.peers_waited_on() - {0, self.rank}
         return sorted(r for r in waited if r in self.members)  # (gone: its calls failed)
 
-    def _fail_if_cut(self, now: float, rank: int, stalled: bool) -> bool:
-        """Fails the calls to ``rank`` if its link has been down too long; True then."""
-        since = None if stalled else self.io.link_down_since(rank)
+    def _fail_if_cut(self, now: float, rank: int, since: float | None) -> bool:
+        """Fails the calls to ``rank`` if its link, down ``since`` (None: up, or
+        not to be judged), has been down too long; True then."""
         if since is None or now - since <= 2 * self.options.link_timeout:
             return False
         name = self.members.peer_name(rank)
@@ -331,7 +331,7 @@ class Control:
             self._declare_dead(now)
         else:
             for rank in self._peers_waited_on():
-                self._fail_if_cut(now, rank, stalled=False)
+                self._fail_if_cut(now, rank, self.io.link_down_since(rank))
 
     def _death(self, now: float, down_since: float | None) -> str:
         if down_since is not None and now - down_since > self.options.link_timeout:
