@@ -111,7 +111,7 @@ def test_2gb_round_trips_lose_nobody() -> None:
         ticker = GilTicker()
         x = torch.arange(1 << 29, dtype=torch.float32)  # 2 GiB
         took = []
-        for i in range(3):
+        for i in range(2):  # the second round reuses the first's segments
             samples, total = x[:: 1 << 20].clone(), x.sum()
             t0 = time.monotonic()
             y = rpc.rpc_sync("worker1", echo, args=(x,), timeout=120)

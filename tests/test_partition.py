@@ -19,8 +19,9 @@ VM). Then:
 * w1 stopped with SIGSTOP for 5 s (its kernel still acknowledges) is not
   evicted either, and the group shuts down gracefully.
 
-A second run cuts h2 and h3 off from each other only (each sends the other's
-frames to a MAC nobody has): the coordinator hears both, so the members end
+A second run cuts h2 and h3 off from each other only, one way (h3 sends its
+frames for h2 to a MAC nobody has; h2's frames still reach h3, but nothing
+acknowledges them): the coordinator hears both, so the members end
 their calls to each other themselves ("out of reach", within
 ``MEMBERS_CUT_BOUND_S``), nobody is evicted, and calls between them flow again
 once the link is back.
@@ -239,9 +240,12 @@ def host_cut():
 
 
 def cut_between_members(on):
-    """h2 and h3 stop reaching each other (each sends the other's frames to a
-    MAC nobody has); both still reach h1, and h1 them."""
-    for host, peer in (("h2", "h3"), ("h3", "h2")):
+    """h2 and h3 stop reaching each other, one way: h3 sends its frames for h2
+    to a MAC nobody has, while h2's frames still reach h3 (so w1's requests get
+    through, and w2's answers and acknowledgements do not). Both sides must
+    notice: w2, whose own frames are lost, and w1, whose frames arrive unanswered.
+    Both still reach h1, and h1 them."""
+    for host, peer in (("h3", "h2"),):
         if on:
             args = ["neigh", "replace", cfg["addrs"][peer], "lladdr", "02:00:00:00:00:99",
                     "dev", "eth0", "nud", "permanent"]
@@ -391,7 +395,8 @@ MEMBERS_CUT_BOUND_S = 6.0  # a probe's tick (0.5 s), TCP giving up (about 1 s), 
 
 def test_two_members_cut_off_from_each_other_fail_their_calls_to_each_other_in_seconds(
         net: Net, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:  # noqa: F811
-    """h2 and h3 stop reaching each other, and both still reach h1: the
+    """h2 and h3 stop reaching each other (one way: h3's frames to h2 are
+    lost, h2's arrive unacknowledged), and both still reach h1: the
     coordinator hears both, so nobody is declared dead. The calls between them
     in flight fail with ``WorkerGoneError`` ("out of reach") in seconds, as do
     new ones; both stay members, the driver reaches both; once the link is back
