@@ -113,6 +113,34 @@ def test_messages_to_a_peer_whose_address_is_not_known_yet_wait_and_keep_their_o
         b.stop()
 
 
+def test_a_link_that_never_came_up_is_down_and_its_coming_up_is_told() -> None:
+    """The link to a peer nobody listens for yet counts as down from the first
+    message (a firewall that lets no connection through looks the same); once
+    the peer listens, the link comes up, ``on_link_up`` hears it, and the held
+    message arrives."""
+    key, got, ups = new_key(), [], []
+    (port,) = free_ports(1)
+    a = IOLoop(key, 0, lambda env: None, name="nbrpc-io-test-a", ipc=False)
+    b = IOLoop(key, 1, got.append, name="nbrpc-io-test-b", ipc=False)
+    a.on_link_up = ups.append
+    try:
+        a.bind()
+        a.start()
+        a.set_address(1, f"tcp://127.0.0.1:{port}")
+        t0 = time.monotonic()
+        a.send(1, 0, 1, b"early")
+        time.sleep(0.3)  # deliberate: connection attempts refused meanwhile
+        since = a.link_down_since(1)
+        assert since is not None and since <= t0 + 0.1 and not ups
+        b.bind(port=port)
+        b.start()
+        assert poll_for(lambda: got, timeout=10)  # (zmq's reconnect interval backs off)
+        assert a.link_down_since(1) is None and ups == [1]
+    finally:
+        a.stop()
+        b.stop()
+
+
 # -- peers on the same host: a Unix domain socket ------------------------------------
 def _pair(ipc: bool = True, encrypt: bool = False) -> tuple[IOLoop, IOLoop, list]:
     key = new_key()

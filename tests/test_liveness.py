@@ -21,6 +21,7 @@ from conftest import intruder, local_group, poll_for
 from targets import add, sleep_then
 
 from nbrpc.agent import Agent, AgentOptions
+from nbrpc.agent.messages import LinkCut
 from nbrpc.errors import RendezvousError, SerializationError, WorkerGoneError
 from nbrpc.rpc.options import read_options
 from nbrpc.transport import ShmRef, new_key, pack
@@ -109,7 +110,11 @@ def test_a_member_whose_link_to_another_stays_down_fails_its_calls_to_it(monkeyp
         events = [e for e in b.snapshot()["events"] if e["event"] == "peer-unreachable"]
         assert [e["peer"] for e in events] == ["c"]  # one per cut, however many calls failed
         assert a.rpc_async("c", add, (1, 2)).wait() == 3  # the coordinator reaches it
+        assert poll_for(lambda: 1 in c.control._answers_cut, timeout=2)  # (below)
         monkeypatch.setattr(b.io, "link_down_since", real)  # the link is back
+        # b told the coordinator of its cut too, and c heard that b's answers
+        # could not come back: b's next tick says the link is mended
+        assert poll_for(lambda: 1 not in c.control._answers_cut, timeout=2)
         assert b.rpc_async("c", add, (2, 3)).wait() == 5 and c.rpc_async("b", add, (3, 4)).wait() == 7
         sent.clear()
         time.sleep(0.5)  # deliberate: two ticks and more, in which nothing may be sent to c
@@ -135,6 +140,50 @@ def test_a_members_cut_link_fails_its_calls_when_due_not_a_tick_later(monkeypatc
             fut.wait()
         took = time.monotonic() - cut[0]
         assert 1.5 <= took < 1.85, f"failed {took:.2f} s after the cut (due at 1.5, tick at 2)"
+
+
+def test_a_member_whose_answers_cannot_come_back_has_its_callers_told(monkeypatch) -> None:
+    """A cut one way: b's requests reach c, and b's own link to c stays up, but
+    c's connection to b (on which its answers travel) is down. c tells the
+    coordinator once that has lasted 2 * link_timeout; the coordinator relays it
+    to b, whose calls to c fail ("its answers cannot come back"), and new ones
+    at its next tick, until c says the link is back (at once, when its transport
+    sees it up). A relayed report that comes after the mend it names is stale."""
+    with local_group(["a", "b", "c"], heartbeat_interval=0.2) as (a, b, c):
+        fut = b.rpc_async("c", sleep_then, (6, "never"))
+        real, cut = c.io.link_down_since, time.monotonic()
+        monkeypatch.setattr(c.io, "link_down_since", lambda r: cut if r == 1 else real(r))
+        with pytest.raises(WorkerGoneError, match=r"'c' is out of reach from 'b': its answers "
+                           r"cannot come back \(it reported its connection to 'b' down for "
+                           r"\d\.\d s, while requests to it get through"):
+            fut.wait()
+        lt = c.options.link_timeout
+        assert 2 * lt <= time.monotonic() - cut < 2 * lt + 1
+        assert b.io.link_down_since(2) is None  # b's own link was up throughout
+        with pytest.raises(WorkerGoneError, match="its answers cannot come back"):
+            b.rpc_async("c", sleep_then, (4, "never")).wait()  # new calls too, next tick
+        assert _tables_full([a, b, c]) and not any(  # nobody declared dead, nobody evicted
+            e["event"] == "member-dead" for x in (a, b, c) for e in x.snapshot()["events"])
+        events = [e for e in b.snapshot()["events"] if e["event"] == "peer-unreachable"]
+        assert [e["peer"] for e in events] == ["c"]  # one per cut, however many calls failed
+        assert a.rpc_async("c", add, (1, 2)).wait() == 3  # the coordinator reaches c
+
+        # the link is back: c's transport says so, and c tells b on that link
+        # (its tick, which would tell b too, is kept out of it here)
+        monkeypatch.setattr(c.io, "link_down_since", real)
+        monkeypatch.setattr(c.control, "_report_cuts", lambda now, stalled: None)
+        c.io.call_soon(c.io._link_up, 1)
+        assert poll_for(lambda: 2 not in b.control._answers_cut, timeout=2)
+        assert b.rpc_async("c", add, (2, 3)).wait() == 5
+        # the coordinator's relay of that cut, were it to come after the mend: stale
+        stale = LinkCut(reporter=2, peer=1, since=cut, down_s=2.0)
+        b.io.call_soon(b.control._on_link_cut, 0, stale)
+        # a report relayed for someone else (sender is not the reporter): not relayed
+        a.io.call_soon(a.control._on_link_cut, 1, LinkCut(reporter=2, peer=1, since=0.0,
+                                                          down_s=2.0))
+        time.sleep(0.5)  # deliberate: two ticks of b's, in which nothing may fail its calls
+        assert not b.control._answers_cut
+        assert b.rpc_async("c", add, (3, 4)).wait() == 7
 
 
 def test_a_member_calling_one_that_died_hears_the_coordinators_verdict() -> None:

@@ -138,6 +138,15 @@ def call(peer, fn, *args):
         return [type(e).__name__, time.monotonic() - t0, str(e)]
 
 
+def own_port():
+    return int(current_agent().me.address.rsplit(":", 1)[1])
+
+
+def link_down(rank):
+    """On a member: since when its own connection to ``rank`` is down (None: up)."""
+    return current_agent().io.link_down_since(rank)
+
+
 def health():
     """(member ranks, times taken back, names this agent saw die)."""
     agent = current_agent()
@@ -279,6 +288,37 @@ def members_cut():
     out["w2_to_w1"] = rpc.rpc_sync("w2", call, args=("w1", add, 4, 5))
     out["health_end"] = [health(), rpc.rpc_sync("w1", health), rpc.rpc_sync("w2", health)]
 
+    # A cut of the answers only: h3 has no route to w1's port (the one w2's own
+    # connection, which carries its answers to w1, goes to), while w1's requests
+    # reach w2 and w1's link stays up. w2 tells the driver, which tells w1.
+    port = rpc.rpc_sync("w1", own_port)
+    fut = rpc.rpc_async("w1", call, args=("w2", sleep_then, 1, "late"), timeout=60)
+    time.sleep(0.3)
+    t_cut = time.monotonic()
+    cut_answers(True, port)
+    out["answers"] = outcome(fut)
+    out["answers_failed_s"] = time.monotonic() - t_cut
+    out["answers_w1_link"] = rpc.rpc_sync("w1", link_down, args=(2,))
+    out["answers_new_call"] = rpc.rpc_sync("w1", call, args=("w2", sleep_then, 0.2, "x"))
+    t_back = time.monotonic()
+    cut_answers(False, port)
+    for _ in range(100):
+        out["answers_back"] = rpc.rpc_sync("w1", call, args=("w2", add, 5, 6))
+        if out["answers_back"][0] == "ok" or time.monotonic() - t_back > 15:
+            break
+        time.sleep(0.1)
+    out["answers_healed_s"] = time.monotonic() - t_back
+    out["health_after_answers"] = [health(), rpc.rpc_sync("w1", health),
+                                   rpc.rpc_sync("w2", health)]
+
+
+def cut_answers(on, port):
+    """h3 gets no route to h2's ``port`` (a policy rule: what it sends there is
+    dropped), or gets it back."""
+    rule = ["rule", "add" if on else "del", "to", cfg["addrs"]["h2"], "ipproto", "tcp",
+            "dport", str(port), "blackhole"]
+    subprocess.run(["ip", "-n", cfg["ns"]["h3"], *rule], check=True, timeout=10)
+
 
 
 try:
@@ -391,6 +431,8 @@ def test_a_host_cut_off_is_declared_dead_in_seconds_and_rejoins_when_back(
 
 
 MEMBERS_CUT_BOUND_S = 6.0  # a probe's tick (0.5 s), TCP giving up (about 1 s), 2 * link_timeout
+# the answer written 0.7 s after the cut, TCP giving up, 2 * link_timeout, a tick, the relay
+ANSWERS_CUT_BOUND_S = 7.0
 
 
 def test_two_members_cut_off_from_each_other_fail_their_calls_to_each_other_in_seconds(
@@ -416,10 +458,23 @@ def test_two_members_cut_off_from_each_other_fail_their_calls_to_each_other_in_s
     assert out["health"] == [whole] * 3, (out, logs)
     assert out["w1_to_w2"][::2] == ["ok", 7] and out["w2_to_w1"][::2] == ["ok", 9], (out, logs)
     assert out["health_end"] == [whole] * 3, (out, logs)
+
+    # the answers cut: w1's calls to w2 fail once w2's report reaches it, though
+    # w1's own link to w2 is up; new ones too; once w2's route is back, it says so
+    status, (error, seconds, text) = out["answers"]
+    assert status == "ok" and error == "WorkerGoneError", (out, logs)
+    assert "'w2' is out of reach from 'w1': its answers cannot come back" in text, (out, logs)
+    assert out["answers_failed_s"] < ANSWERS_CUT_BOUND_S, (out, logs)
+    assert out["answers_w1_link"] is None, (out, logs)
+    assert out["answers_new_call"][0] == "WorkerGoneError", (out, logs)
+    assert out["answers_back"][::2] == ["ok", 11], (out, logs)
+    assert out["health_after_answers"] == [whole] * 3, (out, logs)
     assert out["shutdown"] == "ok" and out["exits"] == [0, 0, 0], (out, logs)
 
     with capsys.disabled():
         print(f"\npartition: h2 and h3 cut off from each other -> their calls failed in "
               f"{out['via_w1'][1][1]:.2f} / {out['via_w2'][1][1]:.2f} s (bound "
               f"{MEMBERS_CUT_BOUND_S} s); nobody evicted; link back -> calls flow again in "
-              f"{out['healed_s']:.2f} s")
+              f"{out['healed_s']:.2f} s; w2's answers cut -> w1's call failed in "
+              f"{out['answers_failed_s']:.2f} s (bound {ANSWERS_CUT_BOUND_S} s), calls flow "
+              f"again {out['answers_healed_s']:.2f} s after the route is back")

@@ -2,11 +2,13 @@
 
 :class:`Control` is one part of an :class:`~nbrpc.agent.agent.Agent`
 (``agent.control``); the agent's dispatch hands it the CONTROL messages. They
-carry group membership (join, members, joined, left), heartbeats and the
-shutdown rounds; their handlers never block and never run user code. Every
-heartbeat interval :meth:`Control.tick` sends heartbeats (and, from a member
-waiting on another member, to that member too: a link cut between two members
-fails their calls to each other, :meth:`Control._watch_peers`) and, on the
+carry group membership (join, members, joined, left), heartbeats, links found
+cut and the shutdown rounds; their handlers never block and never run user
+code. Every heartbeat interval :meth:`Control.tick` sends heartbeats (and, from
+a member waiting on another member, to that member too: a link cut between two
+members fails their calls to each other, :meth:`Control._watch_peers`; a
+member whose link to another stays down tells the coordinator, which tells the
+other, whose requests may still get through: :meth:`Control._report_cuts`) and, on the
 coordinator, asks the :class:`~.group.Coordinator` whom to declare dead: a
 member whose connection closed (its process exited, or its host stopped
 acknowledging) after ``link_timeout``; one that is only silent, with its link
@@ -34,6 +36,7 @@ from .messages import (
     Join,
     JoinChallenge,
     Leave,
+    LinkCut,
     MemberJoined,
     MemberLeft,
     Members,
@@ -74,6 +77,14 @@ class Control:
         self._recheck_due = False  # a check of the links is set before the next tick
         self.readmitted = 0  # members (or the coordinator) taken back after a wrong suspicion
         self._unreachable: dict[int, float] = {}  # peer -> since when its cut link was reported
+        # One-way cuts (see _report_cuts): peer -> since when this member's link to it is down,
+        # as told to the coordinator; reporter -> its relayed LinkCut (its answers cannot
+        # come here); reporter -> the ``since`` of the last cut it said was mended.
+        self._cuts_told: dict[int, float] = {}
+        self._answers_cut: dict[int, LinkCut] = {}
+        self._mended: dict[int, float] = {}
+        agent.gone_hooks.append(self._forget_cuts)
+        self.io.on_link_up = self._link_back
 
     def send(self, rank: int, msg: Any) -> None:
         payload, buffers = dumps(msg)
@@ -122,6 +133,8 @@ class Control:
                 self.agent.remove_member(msg.rank, msg.dead, msg.why)
         elif t is DrainVerdict:
             self.leaving.on_verdict(msg.round, msg.done)
+        elif t is LinkCut:
+            self._on_link_cut(env.sender, msg)
         elif self.coordinator is None:
             log.warning("rank %d sent %s to a non-coordinator", env.sender, t.__name__)
         elif t is Leave:
@@ -240,6 +253,7 @@ class Control:
             self.send_all([(rank, beat) for rank in self.members.ranks() if rank != 0])
             return
         self._watch_peers(now, beat, stalled)
+        self._report_cuts(now, stalled)
         if 0 not in self.members:
             return  # declared dead: its heartbeat, if it comes, takes it back
         if stalled or not self.coordinator_seen:
@@ -272,7 +286,8 @@ class Control:
         coordinator's are. Not after a stall of this process: its link events
         are late too."""
         down = {r: None if stalled else self.io.link_down_since(r) for r in self._peers_waited_on()}
-        reachable = [r for r, since in down.items() if not self._fail_if_cut(now, r, since)]
+        reachable = [r for r, since in down.items()
+                     if not self._fail_if_cut(now, r, since) and not self._fail_if_unanswered(r)]
         self.send_all([(rank, beat) for rank in reachable])
         if not stalled:
             dues = [down[r] + 2 * self.options.link_timeout for r in reachable if down[r] is not None]
@@ -298,6 +313,90 @@ class Control:
             self.agent.events.add("peer-unreachable", "", name, 0, 0)
         self.agent.caller.fail_calls_to(rank, name, why)
         return True
+
+    def _report_cuts(self, now: float, stalled: bool) -> None:
+        """Member: a one-way cut. Answers travel on the answering worker's own
+        connection, so a peer whose requests still reach this member (its own
+        link up) may never hear the answers, and would wait for them until their
+        timeout. Each link to another member that has been down for ``2 *
+        link_timeout`` is told to the coordinator once per cut (it relays it to
+        that member: :meth:`_on_link_cut`), and the member itself is told when
+        the link is back (:meth:`_link_back`; here too, should that have been
+        missed). The coordinator's own links are its own business (:meth:`tick`)."""
+        limit = 2 * self.options.link_timeout
+        for rank in self.members.ranks():
+            if rank == 0 or rank == self.rank:
+                continue
+            since, told = self.io.link_down_since(rank), self._cuts_told.get(rank)
+            if since is None:
+                if told is not None:
+                    del self._cuts_told[rank]
+                    self.send_all([(rank, LinkCut(self.rank, rank, told, 0.0, mended=True))])
+            elif since != told and not stalled and now - since > limit:
+                self._cuts_told[rank] = since
+                log.warning("nbrpc agent %r: the connection to %r (rank %d) has been down for "
+                            "%.1f s; telling the coordinator", self.name,
+                            self.members.peer_name(rank), rank, now - since)
+                self.send_all([(0, LinkCut(self.rank, rank, since, now - since))])
+
+    def _link_back(self, rank: int) -> None:
+        """The connection to ``rank`` is up again: a cut told to the coordinator
+        is mended, and ``rank`` hears it at once, on that connection, after what
+        was queued for it meanwhile (the next tick would be up to one late)."""
+        told = self._cuts_told.pop(rank, None)
+        if told is not None and rank in self.members:
+            self.send_all([(rank, LinkCut(self.rank, rank, told, 0.0, mended=True))])
+
+    def _on_link_cut(self, sender: int, cut: LinkCut) -> None:
+        """A :class:`~.messages.LinkCut`. The coordinator relays a member's
+        report to the member it names. That member fails its calls to the
+        reporter, now and at each tick (:meth:`_fail_if_unanswered`), until the
+        reporter says the link is mended; a report that comes after the mend
+        it names (the relay is a hop longer) is stale."""
+        if cut.peer != self.rank:
+            if (self.coordinator is not None and sender == cut.reporter and not cut.mended
+                    and cut.peer != 0 and cut.peer in self.members):
+                self.send_all([(cut.peer, cut)])
+            return
+        rank = cut.reporter
+        if cut.mended:
+            if sender == rank:
+                self._mended[rank] = cut.since
+                if self._answers_cut.pop(rank, None) is not None:
+                    log.info("nbrpc agent %r: %r can answer again (its connection is back)",
+                             self.name, self.members.peer_name(rank))
+            return
+        if sender != 0 or rank not in self.members or self._mended.get(rank) == cut.since:
+            return  # not relayed by the coordinator, gone, or mended already
+        was = self._answers_cut.get(rank)
+        self._answers_cut[rank] = cut
+        name = self.members.peer_name(rank)
+        if was is None or was.since != cut.since:  # once per cut, however many calls fail
+            log.warning("nbrpc agent %r: worker %r (rank %d) %s", self.name, name, rank,
+                        self._unanswered_why(cut))
+            self.agent.events.add("peer-unreachable", "", name, 0, 0)
+        self.agent.caller.fail_calls_to(rank, name, self._unanswered_why(cut))
+
+    def _fail_if_unanswered(self, rank: int) -> bool:
+        """Fails the calls to ``rank`` if it reported that its answers cannot come here."""
+        cut = self._answers_cut.get(rank)
+        if cut is None:
+            return False
+        self.agent.caller.fail_calls_to(rank, self.members.peer_name(rank),
+                                        self._unanswered_why(cut))
+        return True
+
+    def _unanswered_why(self, cut: LinkCut) -> str:
+        return (f"is out of reach from {self.name!r}: its answers cannot come back (it reported "
+                f"its connection to {self.name!r} down for {cut.down_s:.1f} s, while requests "
+                "to it get through and the group still counts it a member: a firewall or a "
+                "network cut one way? calls go through again once it is mended)")
+
+    def _forget_cuts(self, rank: int) -> None:
+        """``rank`` left the group: a process that takes its rank again starts afresh."""
+        self._cuts_told.pop(rank, None)
+        self._answers_cut.pop(rank, None)
+        self._mended.pop(rank, None)
 
     def _declare_dead(self, now: float) -> None:
         """Coordinator: declare dead the members the rules give up on. A down

@@ -16,7 +16,8 @@ MESSAGE_FIELDS = ("time", "event", "op", "peer", "msg_id", "nbytes", "duration",
 class EventLog:
     """Message events (``send``/``recv`` of requests and responses, errors, drops),
     membership (``member-dead``/``member-left``; ``peer-unreachable``: a
-    member whose link stayed down while calls waited on it) and RRef lifecycle events
+    member whose link stayed down while calls waited on it, or that reported
+    its own link here down) and RRef lifecycle events
     (``rref-created``/``-forked``/``-confirmed``/``-child-accepted``/
     ``-delete-sent``/``-deleted``/``-errored``; ``op`` holds the RRef id)."""
 

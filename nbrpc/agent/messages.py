@@ -8,8 +8,8 @@ kind     value       handled
 REQUEST  1           unpickled and run on the worker pool; answered by a RESPONSE
                      with the same message id
 RESPONSE 2           unpickled on the I/O thread; completes the caller's future
-CONTROL  3           group membership, heartbeats and shutdown; handled on the I/O
-                     thread, never blocks, never runs user code
+CONTROL  3           group membership, heartbeats, cut links and shutdown; handled
+                     on the I/O thread, never blocks, never runs user code
 INLINE   4           a REQUEST whose handler is protocol bookkeeping (RRef fork,
                      accept, delete): handled on the I/O thread, so it is never
                      queued behind user code, and answered like a REQUEST
@@ -142,6 +142,23 @@ class Heartbeat:
 
     member: Member | None = None
     world_size: int | None = None
+
+
+@fast_pickle
+@dataclass(frozen=True, slots=True)
+class LinkCut:
+    """``reporter``'s connection to ``peer`` (both members, neither the
+    coordinator) has been down since ``since`` (the reporter's clock) for
+    ``down_s`` seconds: member → coordinator, which relays it to ``peer``,
+    whose requests may still get through while its answers cannot come back
+    (a firewall one way). ``mended``: the connection is back, sent by the
+    reporter to ``peer`` itself, for the cut of the same ``since``."""
+
+    reporter: int
+    peer: int
+    since: float
+    down_s: float
+    mended: bool = False
 
 
 @fast_pickle

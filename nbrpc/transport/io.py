@@ -110,6 +110,9 @@ class IOLoop:
         # that cannot be handed on (its buffers are unreadable); the agent
         # answers a request with the reason rather than leave its caller waiting
         self.on_unread: Callable[[Envelope, str], None] | None = None
+        # on_link_up(peer): the connection to ``peer`` is up again after being
+        # down (on the I/O thread); the control part tells a peer it reported
+        self.on_link_up: Callable[[int], None] | None = None
         self._name = name
         self.max_message_size = int(max_message_size)
         self._seq = Sequencer()
@@ -126,7 +129,7 @@ class IOLoop:
         self._links: dict[int, float | None] = {}
         self._zmq = ZmqHub(key, self._token, self.max_message_size + MAX_HEADER + SIG_LEN,
                            encrypt, deliver=self.deliver, note_drop=self.note_drop,
-                           links=self._links, name=name,
+                           links=self._links, link_up=self._link_up, name=name,
                            is_current=lambda peer, d: self._dealers.get(peer) is d,
                            call_later=self.call_later)
         self._dealers: dict[int, Dealer] = {}
@@ -185,7 +188,7 @@ class IOLoop:
                 adopt=lambda r: self.call_soon(self._unix.adopt, r), name=self._name)
             self._unix = unix.UnixHub(
                 where, self._token, size, deliver=self.deliver, note_drop=self.note_drop,
-                call_later=self.call_later, links=self._links,
+                call_later=self.call_later, links=self._links, link_up=self._link_up,
                 name=self._name, serve_channel=self.channels.serve)
         except OSError as e:
             log.debug("%s: no Unix domain socket (%s); peers on this host use TCP",
@@ -256,6 +259,14 @@ class IOLoop:
     def dropped_bad(self) -> int:
         """Messages dropped because their signature did not verify."""
         return self.dropped["bad signature"]
+
+    def _link_up(self, peer: int) -> None:
+        """A transport found the connection to ``peer`` up again (I/O thread)."""
+        if self.on_link_up is not None:
+            try:
+                self.on_link_up(peer)
+            except Exception:
+                log.exception("%s: on_link_up(%d) failed", self._name, peer)
 
     def link_down_since(self, peer: int) -> float | None:
         """Since when (``time.monotonic()``) the connection to ``peer`` is down;

@@ -402,12 +402,12 @@ class UnixHub:
 
     def __init__(self, path: str, token: bytes, max_size: int, *,
                  deliver: Callable[[list], None], note_drop: Callable[[str, str], None],
-                 call_later: Callable, links: dict, name: str,
+                 call_later: Callable, links: dict, link_up: Callable[[int], None], name: str,
                  serve_channel: Callable[[UnixReceiver, list], bool] | None = None) -> None:
         self.listener = listen(path)
         self._token, self._max = token, max_size
         self._deliver, self._note_drop, self._call_later = deliver, note_drop, call_later
-        self._links, self._name = links, name
+        self._links, self._link_up, self._name = links, link_up, name
         self._serve_channel = serve_channel  # (receiver, first messages) -> taken?
         # (keyed by file descriptor: that is what zmq's poller reports for them)
         self.handlers: dict[int, Callable] = {self.listener.fileno(): self._on_accept}
@@ -519,7 +519,10 @@ class UnixHub:
         if fd not in self._senders:
             self._senders[fd] = (peer, dealer)
             self.handlers[fd] = self._on_sender_event
+            was = self._links.get(peer)
             self._links[peer] = None
+            if was is not None:
+                self._link_up(peer)
         self._poller.register(fd, 1 | (2 if sender.pending else 0))
 
     def want_write(self, sender: UnixSender) -> None:

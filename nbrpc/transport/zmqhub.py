@@ -199,10 +199,12 @@ class ZmqHub:
 
     def __init__(self, key: bytes, token: bytes, max_size: int, encrypt: bool, *,
                  deliver: Callable[[list], None], note_drop: Callable[[str, str], None],
-                 links: dict, is_current: Callable[[int, Any], bool], name: str,
+                 links: dict, link_up: Callable[[int], None],
+                 is_current: Callable[[int, Any], bool], name: str,
                  call_later: Callable[..., Any]) -> None:
         self._token = token
         self._deliver, self._note_drop, self._links, self._name = deliver, note_drop, links, name
+        self._link_up = link_up  # (peer): its connection is up again, after being down
         self._is_current = is_current  # (peer, dealer): still that peer's dealer?
         self._call_later = call_later
         self._untrimmed, self._trim_due = 0, False  # bytes received in parts since a trim
@@ -443,7 +445,10 @@ class ZmqHub:
             if not self._is_current(peer, dealer):
                 continue
             if event == zmq.EVENT_CONNECTED:
+                was = self._links.get(peer)
                 self._links[peer] = None
+                if was is not None:
+                    self._link_up(peer)
             elif event == zmq.EVENT_DISCONNECTED and self._links.get(peer) is None:
                 self._links[peer] = time.monotonic()
                 log.info("%s: the connection to peer %d closed", self._name, peer)
