@@ -186,6 +186,46 @@ def test_a_member_whose_answers_cannot_come_back_has_its_callers_told(monkeypatc
         assert b.rpc_async("c", add, (3, 4)).wait() == 7
 
 
+def test_a_one_way_cut_with_the_coordinator_is_told_through_another_member(monkeypatch) -> None:
+    """The coordinator's own links. First a's (the coordinator's) link to b is
+    down while b's to a is up: b's calls to a fail, told through c. Then b's
+    link to a is down while a's to b is up: a's calls to b fail, told through
+    c. Nobody is declared dead (each side still hears the other)."""
+    with local_group(["a", "b", "c"], heartbeat_interval=0.2) as (a, b, c):
+        lt = a.options.link_timeout
+        for caller, callee, rank in ((b, a, 1), (a, b, 0)):
+            fut = caller.rpc_async(callee.name, sleep_then, (6, "never"))
+            real, cut = callee.io.link_down_since, time.monotonic()
+            monkeypatch.setattr(callee.io, "link_down_since",
+                                lambda r, real=real, cut=cut, rank=rank:
+                                cut if r == rank else real(r))
+            with pytest.raises(WorkerGoneError, match=rf"'{callee.name}' is out of reach from "
+                               rf"'{caller.name}': its answers cannot come back"):
+                fut.wait()
+            assert 2 * lt <= time.monotonic() - cut < 2 * lt + 1
+            with pytest.raises(WorkerGoneError, match="its answers cannot come back"):
+                caller.rpc_async(callee.name, sleep_then, (4, "never")).wait()  # (next tick)
+            assert _tables_full([a, b, c]) and not any(
+                e["event"] == "member-dead" for x in (a, b, c) for e in x.snapshot()["events"])
+            monkeypatch.setattr(callee.io, "link_down_since", real)  # back: its tick says so
+            assert poll_for(lambda cuts=caller.control._answers_cut, r=callee.rank: r not in cuts,
+                            timeout=2)
+            assert caller.rpc_async(callee.name, add, (1, 2)).wait() == 3
+
+
+def test_in_a_group_of_two_a_cut_has_nobody_to_relay_it(monkeypatch) -> None:
+    """With no third member, nobody can carry the report: none is sent."""
+    with local_group(["a", "b"], heartbeat_interval=0.2) as (a, b):
+        sent, send = [], a.control.send
+        monkeypatch.setattr(a.control, "send", lambda r, m: (sent.append(type(m)), send(r, m)))
+        cut = time.monotonic() - 10
+        real = a.io.link_down_since
+        monkeypatch.setattr(a.io, "link_down_since", lambda r: cut if r == 1 else real(r))
+        time.sleep(0.5)  # deliberate: two ticks of a's, in which it could have sent one
+        assert LinkCut not in sent and a.control._cuts_told == {}
+        assert a.rpc_async("b", add, (1, 2)).wait() == 3
+
+
 def test_a_member_calling_one_that_died_hears_the_coordinators_verdict() -> None:
     with local_group(["a", "b", "c"], heartbeat_interval=0.2) as (a, b, c):
         fut = b.rpc_async("c", sleep_then, (2, "never"))  # waiting on c, as far as b knows

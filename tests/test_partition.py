@@ -24,7 +24,12 @@ frames for h2 to a MAC nobody has; h2's frames still reach h3, but nothing
 acknowledges them): the coordinator hears both, so the members end
 their calls to each other themselves ("out of reach", within
 ``MEMBERS_CUT_BOUND_S``), nobody is evicted, and calls between them flow again
-once the link is back.
+once the link is back. Then it cuts the answers only, three times, with a
+policy rule that takes away one host's route to another's RPC port: w2's to
+w1 (w2 tells w1 through the driver), w1's to the driver and the driver's to w1
+(told through w2). Each time the waiting call fails ("its answers cannot come
+back", within ``ANSWERS_CUT_BOUND_S``), and calls flow again once the route is
+back.
 
 The figures (time to declare dead, to fail the calls, to rejoin) are printed.
 Needs root and iproute2; skipped where namespaces cannot be built. Run with
@@ -311,13 +316,37 @@ def members_cut():
     out["health_after_answers"] = [health(), rpc.rpc_sync("w1", health),
                                    rpc.rpc_sync("w2", health)]
 
+    # The same with the coordinator (the driver), told through w2: first w1 cannot
+    # answer the driver, then the driver cannot answer w1.
+    me = int(agent.me.address.rsplit(":", 1)[1])
+    fut = rpc.rpc_async("w1", sleep_then, args=(1, "late"), timeout=60)
+    time.sleep(0.3)
+    t_cut = time.monotonic()
+    cut_answers(True, me, "h2", "h1")
+    out["w1_to_driver_cut"] = outcome(fut)
+    out["w1_to_driver_failed_s"] = time.monotonic() - t_cut
+    cut_answers(False, me, "h2", "h1")
+    out["w1_to_driver_back"] = poll(lambda: outcome(lambda: rpc.rpc_sync("w1", add, args=(1, 2)))
+                                    == ["ok", 3], 15)
+    fut = rpc.rpc_async("w1", call, args=("driver", sleep_then, 1, "late"), timeout=60)
+    time.sleep(0.3)
+    t_cut = time.monotonic()
+    cut_answers(True, port, "h1", "h2")
+    out["driver_to_w1_cut"] = outcome(fut)
+    out["driver_to_w1_failed_s"] = time.monotonic() - t_cut
+    cut_answers(False, port, "h1", "h2")
+    out["driver_to_w1_back"] = poll(lambda: rpc.rpc_sync("w1", call, args=("driver", add, 2, 3))
+                                    [::2] == ["ok", 5], 15)
+    out["health_after_driver_cuts"] = [health(), rpc.rpc_sync("w1", health),
+                                       rpc.rpc_sync("w2", health)]
 
-def cut_answers(on, port):
-    """h3 gets no route to h2's ``port`` (a policy rule: what it sends there is
-    dropped), or gets it back."""
-    rule = ["rule", "add" if on else "del", "to", cfg["addrs"]["h2"], "ipproto", "tcp",
+
+def cut_answers(on, port, host="h3", to="h2"):
+    """``host`` gets no route to ``port`` on ``to`` (a policy rule: what it sends
+    there is dropped), or gets it back."""
+    rule = ["rule", "add" if on else "del", "to", cfg["addrs"][to], "ipproto", "tcp",
             "dport", str(port), "blackhole"]
-    subprocess.run(["ip", "-n", cfg["ns"]["h3"], *rule], check=True, timeout=10)
+    subprocess.run(["ip", "-n", cfg["ns"][host], *rule], check=True, timeout=10)
 
 
 
@@ -469,6 +498,18 @@ def test_two_members_cut_off_from_each_other_fail_their_calls_to_each_other_in_s
     assert out["answers_new_call"][0] == "WorkerGoneError", (out, logs)
     assert out["answers_back"][::2] == ["ok", 11], (out, logs)
     assert out["health_after_answers"] == [whole] * 3, (out, logs)
+    # and with the coordinator, told through w2
+    error, text = out["w1_to_driver_cut"]
+    assert error == "WorkerGoneError", (out, logs)
+    assert "'w1' is out of reach from 'driver': its answers cannot come back" in text, out
+    assert out["w1_to_driver_failed_s"] < ANSWERS_CUT_BOUND_S, (out, logs)
+    assert out["w1_to_driver_back"], (out, logs)
+    status, (error, seconds, text) = out["driver_to_w1_cut"]
+    assert status == "ok" and error == "WorkerGoneError", (out, logs)
+    assert "'driver' is out of reach from 'w1': its answers cannot come back" in text, out
+    assert out["driver_to_w1_failed_s"] < ANSWERS_CUT_BOUND_S, (out, logs)
+    assert out["driver_to_w1_back"], (out, logs)
+    assert out["health_after_driver_cuts"] == [whole] * 3, (out, logs)
     assert out["shutdown"] == "ok" and out["exits"] == [0, 0, 0], (out, logs)
 
     with capsys.disabled():
@@ -477,4 +518,6 @@ def test_two_members_cut_off_from_each_other_fail_their_calls_to_each_other_in_s
               f"{MEMBERS_CUT_BOUND_S} s); nobody evicted; link back -> calls flow again in "
               f"{out['healed_s']:.2f} s; w2's answers cut -> w1's call failed in "
               f"{out['answers_failed_s']:.2f} s (bound {ANSWERS_CUT_BOUND_S} s), calls flow "
-              f"again {out['answers_healed_s']:.2f} s after the route is back")
+              f"again {out['answers_healed_s']:.2f} s after the route is back; with the driver: "
+              f"w1's answers cut -> failed in {out['w1_to_driver_failed_s']:.2f} s, the "
+              f"driver's -> in {out['driver_to_w1_failed_s']:.2f} s")

@@ -6,9 +6,9 @@ carry group membership (join, members, joined, left), heartbeats, links found
 cut and the shutdown rounds; their handlers never block and never run user
 code. Every heartbeat interval :meth:`Control.tick` sends heartbeats (and, from
 a member waiting on another member, to that member too: a link cut between two
-members fails their calls to each other, :meth:`Control._watch_peers`; a
-member whose link to another stays down tells the coordinator, which tells the
-other, whose requests may still get through: :meth:`Control._report_cuts`) and, on the
+members fails their calls to each other, :meth:`Control._watch_peers`; an
+agent whose link to a member stays down tells it through a third, as that
+member's requests may still get through: :meth:`Control._report_cuts`) and, on the
 coordinator, asks the :class:`~.group.Coordinator` whom to declare dead: a
 member whose connection closed (its process exited, or its host stopped
 acknowledging) after ``link_timeout``; one that is only silent, with its link
@@ -77,9 +77,9 @@ class Control:
         self._recheck_due = False  # a check of the links is set before the next tick
         self.readmitted = 0  # members (or the coordinator) taken back after a wrong suspicion
         self._unreachable: dict[int, float] = {}  # peer -> since when its cut link was reported
-        # One-way cuts (see _report_cuts): peer -> since when this member's link to it is down,
-        # as told to the coordinator; reporter -> its relayed LinkCut (its answers cannot
-        # come here); reporter -> the ``since`` of the last cut it said was mended.
+        # One-way cuts (see _report_cuts): peer -> since when this agent's link to it is down,
+        # as told to a relay; reporter -> its relayed LinkCut (its answers cannot come
+        # here); reporter -> the ``since`` of the last cut it said was mended.
         self._cuts_told: dict[int, float] = {}
         self._answers_cut: dict[int, LinkCut] = {}
         self._mended: dict[int, float] = {}
@@ -251,9 +251,12 @@ class Control:
                 self.coordinator.watch_all(now)
             self._declare_dead(now)
             self.send_all([(rank, beat) for rank in self.members.ranks() if rank != 0])
+            self._report_cuts(now, stalled)
+            self._fail_unanswered()
             return
         self._watch_peers(now, beat, stalled)
         self._report_cuts(now, stalled)
+        self._fail_unanswered()
         if 0 not in self.members:
             return  # declared dead: its heartbeat, if it comes, takes it back
         if stalled or not self.coordinator_seen:
@@ -286,8 +289,7 @@ class Control:
         coordinator's are. Not after a stall of this process: its link events
         are late too."""
         down = {r: None if stalled else self.io.link_down_since(r) for r in self._peers_waited_on()}
-        reachable = [r for r, since in down.items()
-                     if not self._fail_if_cut(now, r, since) and not self._fail_if_unanswered(r)]
+        reachable = [r for r, since in down.items() if not self._fail_if_cut(now, r, since)]
         self.send_all([(rank, beat) for rank in reachable])
         if not stalled:
             dues = [down[r] + 2 * self.options.link_timeout for r in reachable if down[r] is not None]
@@ -315,17 +317,18 @@ class Control:
         return True
 
     def _report_cuts(self, now: float, stalled: bool) -> None:
-        """Member: a one-way cut. Answers travel on the answering worker's own
-        connection, so a peer whose requests still reach this member (its own
-        link up) may never hear the answers, and would wait for them until their
-        timeout. Each link to another member that has been down for ``2 *
-        link_timeout`` is told to the coordinator once per cut (it relays it to
-        that member: :meth:`_on_link_cut`), and the member itself is told when
-        the link is back (:meth:`_link_back`; here too, should that have been
-        missed). The coordinator's own links are its own business (:meth:`tick`)."""
+        """A one-way cut. Answers travel on the answering worker's own
+        connection, so a peer whose requests still reach this agent (its own
+        link up) may never hear the answers, and would wait for them until
+        their timeout. Each link to another member that has been down for ``2 *
+        link_timeout`` is told, once per cut, to a third member that relays it
+        to that member (:meth:`_relay_for`, :meth:`_on_link_cut`), and the
+        member itself is told when the link is back (:meth:`_link_back`; here
+        too, should that have been missed). A member that is gone for good is
+        declared dead before this (after one ``link_timeout``), and not told."""
         limit = 2 * self.options.link_timeout
         for rank in self.members.ranks():
-            if rank == 0 or rank == self.rank:
+            if rank == self.rank:
                 continue
             since, told = self.io.link_down_since(rank), self._cuts_told.get(rank)
             if since is None:
@@ -333,29 +336,42 @@ class Control:
                     del self._cuts_told[rank]
                     self.send_all([(rank, LinkCut(self.rank, rank, told, 0.0, mended=True))])
             elif since != told and not stalled and now - since > limit:
+                relay = self._relay_for(rank)
+                if relay is None:
+                    continue  # nobody else to tell: a group of two (tried again next tick)
                 self._cuts_told[rank] = since
                 log.warning("nbrpc agent %r: the connection to %r (rank %d) has been down for "
-                            "%.1f s; telling the coordinator", self.name,
-                            self.members.peer_name(rank), rank, now - since)
-                self.send_all([(0, LinkCut(self.rank, rank, since, now - since))])
+                            "%.1f s; telling it through %r", self.name,
+                            self.members.peer_name(rank), rank, now - since,
+                            self.members.peer_name(relay))
+                self.send_all([(relay, LinkCut(self.rank, rank, since, now - since))])
+
+    def _relay_for(self, rank: int) -> int | None:
+        """Who tells ``rank`` of this agent's cut link to it: the coordinator,
+        which hears everyone, unless one of the two is the coordinator; then
+        the first other member this agent's own link to is up; None if none."""
+        if self.rank != 0 and rank != 0:
+            return 0
+        return next((r for r in self.members.ranks() if r not in (self.rank, rank)
+                     and self.io.link_down_since(r) is None), None)
 
     def _link_back(self, rank: int) -> None:
-        """The connection to ``rank`` is up again: a cut told to the coordinator
-        is mended, and ``rank`` hears it at once, on that connection, after what
+        """The connection to ``rank`` is up again: a cut told to a relay is
+        mended, and ``rank`` hears it at once, on that connection, after what
         was queued for it meanwhile (the next tick would be up to one late)."""
         told = self._cuts_told.pop(rank, None)
         if told is not None and rank in self.members:
             self.send_all([(rank, LinkCut(self.rank, rank, told, 0.0, mended=True))])
 
     def _on_link_cut(self, sender: int, cut: LinkCut) -> None:
-        """A :class:`~.messages.LinkCut`. The coordinator relays a member's
-        report to the member it names. That member fails its calls to the
-        reporter, now and at each tick (:meth:`_fail_if_unanswered`), until the
+        """A :class:`~.messages.LinkCut`. A relay passes a report from its
+        reporter on to the member it names. That member fails its calls to the
+        reporter, now and at each tick (:meth:`_fail_unanswered`), until the
         reporter says the link is mended; a report that comes after the mend
         it names (the relay is a hop longer) is stale."""
         if cut.peer != self.rank:
-            if (self.coordinator is not None and sender == cut.reporter and not cut.mended
-                    and cut.peer != 0 and cut.peer in self.members):
+            if (sender == cut.reporter and not cut.mended and cut.peer != sender
+                    and cut.peer in self.members):
                 self.send_all([(cut.peer, cut)])
             return
         rank = cut.reporter
@@ -366,8 +382,8 @@ class Control:
                     log.info("nbrpc agent %r: %r can answer again (its connection is back)",
                              self.name, self.members.peer_name(rank))
             return
-        if sender != 0 or rank not in self.members or self._mended.get(rank) == cut.since:
-            return  # not relayed by the coordinator, gone, or mended already
+        if sender == rank or rank not in self.members or self._mended.get(rank) == cut.since:
+            return  # not relayed (its link here is down), gone, or mended already
         was = self._answers_cut.get(rank)
         self._answers_cut[rank] = cut
         name = self.members.peer_name(rank)
@@ -377,14 +393,13 @@ class Control:
             self.agent.events.add("peer-unreachable", "", name, 0, 0)
         self.agent.caller.fail_calls_to(rank, name, self._unanswered_why(cut))
 
-    def _fail_if_unanswered(self, rank: int) -> bool:
-        """Fails the calls to ``rank`` if it reported that its answers cannot come here."""
-        cut = self._answers_cut.get(rank)
-        if cut is None:
-            return False
-        self.agent.caller.fail_calls_to(rank, self.members.peer_name(rank),
-                                        self._unanswered_why(cut))
-        return True
+    def _fail_unanswered(self) -> None:
+        """Fails the calls in flight to members that reported that their answers
+        cannot come here (made since the report, or since the last tick)."""
+        if self._answers_cut:
+            for rank in self.agent.caller.peers_waited_on() & self._answers_cut.keys():
+                self.agent.caller.fail_calls_to(rank, self.members.peer_name(rank),
+                                                self._unanswered_why(self._answers_cut[rank]))
 
     def _unanswered_why(self, cut: LinkCut) -> str:
         return (f"is out of reach from {self.name!r}: its answers cannot come back (it reported "

@@ -147,10 +147,10 @@ class Heartbeat:
 @fast_pickle
 @dataclass(frozen=True, slots=True)
 class LinkCut:
-    """``reporter``'s connection to ``peer`` (both members, neither the
-    coordinator) has been down since ``since`` (the reporter's clock) for
-    ``down_s`` seconds: member → coordinator, which relays it to ``peer``,
-    whose requests may still get through while its answers cannot come back
+    """``reporter``'s connection to ``peer`` has been down since ``since``
+    (the reporter's clock) for ``down_s`` seconds: sent to a third member (the
+    coordinator, unless it is one of the two), which relays it to ``peer``,
+    whose requests may still get through while the answers cannot come back
     (a firewall one way). ``mended``: the connection is back, sent by the
     reporter to ``peer`` itself, for the cut of the same ``since``."""
 
