@@ -297,16 +297,16 @@ def members_cut():
     # connection, which carries its answers to w1, goes to), while w1's requests
     # reach w2 and w1's link stays up. w2 tells the driver, which tells w1.
     port = rpc.rpc_sync("w1", own_port)
-    fut = rpc.rpc_async("w1", call, args=("w2", sleep_then, 1, "late"), timeout=60)
-    time.sleep(0.3)
-    t_cut = time.monotonic()
-    cut_answers(True, port)
-    out["answers"] = outcome(fut)
-    out["answers_failed_s"] = time.monotonic() - t_cut
-    out["answers_w1_link"] = rpc.rpc_sync("w1", link_down, args=(2,))
-    out["answers_new_call"] = rpc.rpc_sync("w1", call, args=("w2", sleep_then, 0.2, "x"))
+
+    def while_cut():  # w1's own link is up; its new calls fail too
+        return (rpc.rpc_sync("w1", link_down, args=(2,)),
+                rpc.rpc_sync("w1", call, args=("w2", sleep_then, 0.2, "x")))
+
+    out["answers"], out["answers_failed_s"], during = through_a_cut(
+        lambda: rpc.rpc_async("w1", call, args=("w2", sleep_then, 1, "late"), timeout=60),
+        port, "h3", "h2", while_cut)
+    out["answers_w1_link"], out["answers_new_call"] = during
     t_back = time.monotonic()
-    cut_answers(False, port)
     for _ in range(100):
         out["answers_back"] = rpc.rpc_sync("w1", call, args=("w2", add, 5, 6))
         if out["answers_back"][0] == "ok" or time.monotonic() - t_back > 15:
@@ -319,26 +319,33 @@ def members_cut():
     # The same with the coordinator (the driver), told through w2: first w1 cannot
     # answer the driver, then the driver cannot answer w1.
     me = int(agent.me.address.rsplit(":", 1)[1])
-    fut = rpc.rpc_async("w1", sleep_then, args=(1, "late"), timeout=60)
-    time.sleep(0.3)
-    t_cut = time.monotonic()
-    cut_answers(True, me, "h2", "h1")
-    out["w1_to_driver_cut"] = outcome(fut)
-    out["w1_to_driver_failed_s"] = time.monotonic() - t_cut
-    cut_answers(False, me, "h2", "h1")
+    out["w1_to_driver_cut"], out["w1_to_driver_failed_s"], _ = through_a_cut(
+        lambda: rpc.rpc_async("w1", sleep_then, args=(1, "late"), timeout=60), me, "h2", "h1")
     out["w1_to_driver_back"] = poll(lambda: outcome(lambda: rpc.rpc_sync("w1", add, args=(1, 2)))
                                     == ["ok", 3], 15)
-    fut = rpc.rpc_async("w1", call, args=("driver", sleep_then, 1, "late"), timeout=60)
-    time.sleep(0.3)
-    t_cut = time.monotonic()
-    cut_answers(True, port, "h1", "h2")
-    out["driver_to_w1_cut"] = outcome(fut)
-    out["driver_to_w1_failed_s"] = time.monotonic() - t_cut
-    cut_answers(False, port, "h1", "h2")
+    out["driver_to_w1_cut"], out["driver_to_w1_failed_s"], _ = through_a_cut(
+        lambda: rpc.rpc_async("w1", call, args=("driver", sleep_then, 1, "late"), timeout=60),
+        port, "h1", "h2")
     out["driver_to_w1_back"] = poll(lambda: rpc.rpc_sync("w1", call, args=("driver", add, 2, 3))
                                     [::2] == ["ok", 5], 15)
     out["health_after_driver_cuts"] = [health(), rpc.rpc_sync("w1", health),
                                        rpc.rpc_sync("w2", health)]
+
+
+def through_a_cut(start, port, host, to, during=lambda: None):
+    """Start a call (``start()``, its future), take ``host``'s route to ``port``
+    on ``to`` away 0.3 s later, and wait for the call's outcome; ``during()``
+    runs before the route is given back. (outcome, seconds after the cut, what
+    ``during`` returned)."""
+    fut = start()
+    time.sleep(0.3)
+    t_cut = time.monotonic()
+    cut_answers(True, port, host, to)
+    try:
+        result, seconds = outcome(fut), time.monotonic() - t_cut
+        return result, seconds, during()
+    finally:
+        cut_answers(False, port, host, to)
 
 
 def cut_answers(on, port, host="h3", to="h2"):
