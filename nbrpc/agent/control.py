@@ -330,12 +330,10 @@ class Control:
         for rank in self.members.ranks():
             if rank == self.rank:
                 continue
-            since, told = self.io.link_down_since(rank), self._cuts_told.get(rank)
+            since = self.io.link_down_since(rank)
             if since is None:
-                if told is not None:
-                    del self._cuts_told[rank]
-                    self.send_all([(rank, LinkCut(self.rank, rank, told, 0.0, mended=True))])
-            elif since != told and not stalled and now - since > limit:
+                self._link_back(rank)
+            elif since != self._cuts_told.get(rank) and not stalled and now - since > limit:
                 relay = self._relay_for(rank)
                 if relay is None:
                     continue  # nobody else to tell: a group of two (tried again next tick)
@@ -391,11 +389,11 @@ class Control:
             log.warning("nbrpc agent %r: worker %r (rank %d) %s", self.name, name, rank,
                         self._unanswered_why(cut))
             self.agent.events.add("peer-unreachable", "", name, 0, 0)
-        self.agent.caller.fail_calls_to(rank, name, self._unanswered_why(cut))
+        self._fail_unanswered()
 
     def _fail_unanswered(self) -> None:
         """Fails the calls in flight to members that reported that their answers
-        cannot come here (made since the report, or since the last tick)."""
+        cannot come here (when the report comes, and at each tick those made since)."""
         if self._answers_cut:
             for rank in self.agent.caller.peers_waited_on() & self._answers_cut.keys():
                 self.agent.caller.fail_calls_to(rank, self.members.peer_name(rank),
