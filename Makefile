@@ -14,9 +14,10 @@ NBVAL  := --nbval --nbval-current-env --nbval-sanitize-with notebooks/nbval_sani
 
 # The browser tier (tests/test_browser.py) drives Debian's Chromium; it never
 # downloads browser builds. `system-deps` (below) installs it when missing;
-# a tier that cannot run skips, printing why (-rs).
+# a tier that cannot run skips, printing why (-rs); a test that passed only when
+# run again (PyTorch's suites may, once) is named in the summary too (-rR).
 CHROMIUM ?= /usr/bin/chromium
-PYTEST   := $(PY) -m pytest -q -rs
+PYTEST   := $(PY) -m pytest -q -rsR
 
 .PHONY: lab test test-gpu test-fast test-notebooks test-torch-suites test-browser test-slurm screenshots system-deps browser-deps lint bench clean
 
