@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -103,13 +104,30 @@ def test_importing_nbrpc_starts_no_thread_and_no_socket() -> None:
 def test_an_agent_never_started_and_let_go_closes_its_sockets_and_context() -> None:
     """The garbage collector may finalize a zmq context before its sockets, and
     term() then waits for them for ever (the interpreter's exit hung so): the
-    hub closes its sockets, then the context, when it is let go unclosed."""
+    hub closes its sockets, then the context, when it is let go unclosed. The
+    loop's own resources go too: its Unix socket and directory, its wake pipe."""
     import gc
 
     from nbrpc.agent import Agent
 
+    def open_fds() -> set[str]:
+        fds = os.listdir("/proc/self/fd")
+        return {t for t in (_readlink(f"/proc/self/fd/{fd}") for fd in fds) if t}
+
     agent = Agent("x", 0, b"k" * 32, world_size=1)
     ctx, router = agent.io._zmq.ctx, agent.io._zmq.router
+    listener, ipc_dir = agent.io._unix.listener, agent.io._ipc_dir
+    pipe = {_readlink(f"/proc/self/fd/{fd}") for fd in (agent.io._wake_r, agent.io._wake_w)}
+    assert os.path.isdir(ipc_dir) and pipe <= open_fds()
     del agent
     gc.collect()
     assert router.closed and ctx.closed
+    assert listener.fileno() == -1 and not os.path.exists(ipc_dir)
+    assert not pipe & open_fds(), "the wake pipe is still open"
+
+
+def _readlink(path: str) -> str | None:
+    try:
+        return os.readlink(path)
+    except OSError:  # (closed meanwhile)
+        return None
