@@ -9,6 +9,7 @@ is a number here; the data path for CUDA tensors is not part of this file.
 from __future__ import annotations
 
 import random
+from pathlib import Path
 
 import pytest
 import torch
@@ -167,7 +168,7 @@ def _init_both(backend: str, maps: dict, tmp_path) -> list[dict]:
     out = str(tmp_path / backend)
     mp.start_processes(_init_child, args=(backend, free_ports(1)[0], maps, out), nprocs=2,
                        join=True, start_method="spawn")
-    return [json.loads(open(f"{out}.{rank}").read()) for rank in (0, 1)]
+    return [json.loads(Path(f"{out}.{rank}").read_text()) for rank in (0, 1)]
 
 
 @pytest.mark.torch_rpc

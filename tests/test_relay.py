@@ -365,6 +365,8 @@ def test_an_engines_relay_serves_while_the_engine_holds_its_gil_and_goes_with_it
     finally:
         engine.kill()
         engine.wait(10)
+        engine.stdin.close()
+        engine.stdout.close()
     poll_or_fail(lambda: not psutil.pid_exists(child)
                  or psutil.Process(child).status() == psutil.STATUS_ZOMBIE, 5,
                  "the relay's process to go with its engine")

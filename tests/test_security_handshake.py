@@ -87,6 +87,7 @@ def victim(encrypt: bool) -> Iterator[tuple[subprocess.Popen, str, int]]:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait(timeout=10)
+        proc.stdout.close()
 
 
 @contextmanager
