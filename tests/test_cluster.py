@@ -820,6 +820,7 @@ def test_an_engine_agent_exits_once_its_driver_is_gone() -> None:
         if proc.poll() is None:
             proc.kill()
             proc.wait(5)
+        proc.stderr.close()
 
 
 # An engine that registers, but whose heart never beats: ipyparallel's hub
