@@ -34,13 +34,12 @@ def _closed_clean(w: shm.ShmWriter) -> bool:
 
 def _resident_kib(path: str) -> int:
     """How much of this process's mapping of the file at ``path`` is in memory
-    (its ``Rss`` in ``/proc/self/smaps``, KiB); -1 where no mapping of it is found."""
+    (its ``Rss`` in ``/proc/self/smaps``, KiB); fails if there is no such mapping."""
     with open("/proc/self/smaps") as f:
         lines = f.read().splitlines()
-    for i, line in enumerate(lines):
-        if line.endswith(" " + path):
-            return next(int(x.split()[1]) for x in lines[i + 1:] if x.startswith("Rss:"))
-    return -1
+    at = next((i for i, line in enumerate(lines) if line.endswith(" " + path)), None)
+    assert at is not None, f"no mapping of {path} in /proc/self/smaps"
+    return next(int(x.split()[1]) for x in lines[at + 1:] if x.startswith("Rss:"))
 
 
 def _read(name: str, nbytes: int) -> torch.Tensor:

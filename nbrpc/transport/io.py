@@ -155,13 +155,12 @@ class IOLoop:
         self._poll_until = float("inf")  # when the sleeping loop will wake by itself
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
-        # What the loop holds that no Python object closes for it (the wake pipe's
-        # fds, the Unix socket and its directory): released once, by close(), or
-        # when the loop is let go without it (an Agent made and never started).
-        # Not at interpreter exit: a loop still running then keeps its fds.
-        self._owned: list = [self._wake_r, self._wake_w]
-        self._release = weakref.finalize(self, _release, self._owned)
-        self._release.atexit = False
+        # The wake pipe's fds (plain ints: no object closes them) are closed once,
+        # by close(), or when the loop is let go without it (an Agent made and
+        # never started; its hubs see to their own sockets). Not at interpreter
+        # exit: a loop still running then keeps them.
+        self._close_pipe = weakref.finalize(self, _close_fds, self._wake_r, self._wake_w)
+        self._close_pipe.atexit = False
         self._sleeping = False
         self._stopping = False
         self._closed = False
@@ -189,7 +188,6 @@ class IOLoop:
         :mod:`.unix`); None if that fails."""
         try:
             self._ipc_dir = local.make_dir()
-            self._owned.append(self._ipc_dir)
             where = f"{self._ipc_dir}/s"
             size = self.max_message_size + MAX_HEADER + SIG_LEN
             self.channels = channel.Channels(
@@ -198,13 +196,11 @@ class IOLoop:
             self._unix = unix.UnixHub(
                 where, self._token, size, deliver=self.deliver, note_drop=self.note_drop,
                 call_later=self.call_later, links=self._links, link_up=self._link_up,
-                name=self._name, serve_channel=self.channels.serve)
-            self._owned.append(self._unix.listener)
+                name=self._name, serve_channel=self.channels.serve, directory=self._ipc_dir)
         except OSError as e:
             log.debug("%s: no Unix domain socket (%s); peers on this host use TCP",
                       self._name, e)
             local.remove_dir(self._ipc_dir)
-            self._owned.remove(self._ipc_dir)
             self._ipc_dir = None
             return None
         return f"{local.host_identity()}@unix://{where}"
@@ -523,7 +519,7 @@ class IOLoop:
         if self._unix is not None:
             self._unix.close()
         self._zmq.close()
-        self._release()  # the socket directory, the wake pipe
+        self._close_pipe()
 
     # -- the loop ----------------------------------------------------------
     def _run(self) -> None:
@@ -663,17 +659,10 @@ def _bracket(host: str) -> str:
     return f"[{host}]" if ":" in host and not host.startswith("[") else host
 
 
-def _release(owned: list) -> None:
-    """Close the file descriptors (ints) and sockets in ``owned``, remove its
-    directories (paths); then forget them all. Runs once per loop."""
-    for thing in owned:
+
+def _close_fds(*fds: int) -> None:
+    for fd in fds:
         try:
-            if isinstance(thing, int):
-                os.close(thing)
-            elif isinstance(thing, str):
-                local.remove_dir(thing)
-            else:
-                thing.close()
+            os.close(fd)
         except OSError:
             pass
-    owned.clear()

@@ -46,10 +46,12 @@ import select
 import socket
 import struct
 import time
+import weakref
 from collections import deque
 from collections.abc import Callable
 from typing import Any
 
+from . import local
 from .frames import MAX_FRAMES
 
 log = logging.getLogger(__name__)
@@ -93,6 +95,11 @@ def with_send_buffer(sock: socket.socket) -> None:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER)
     except OSError:  # (a cap is applied silently; an error only where it is unsupported)
         pass
+
+
+def _drop(listener: socket.socket, directory: str | None) -> None:
+    listener.close()
+    local.remove_dir(directory)
 
 
 def listen(path: str) -> socket.socket:
@@ -403,8 +410,15 @@ class UnixHub:
     def __init__(self, path: str, token: bytes, max_size: int, *,
                  deliver: Callable[[list], None], note_drop: Callable[[str, str], None],
                  call_later: Callable, links: dict, link_up: Callable[[int], None], name: str,
-                 serve_channel: Callable[[UnixReceiver, list], bool] | None = None) -> None:
+                 serve_channel: Callable[[UnixReceiver, list], bool] | None = None,
+                 directory: str | None = None) -> None:
         self.listener = listen(path)
+        # The listener, and ``directory`` (the private one that holds ``path``,
+        # now the hub's), go at close(), or when the hub is let go without it
+        # (an Agent made and never started), as the zmq hub's sockets do; not
+        # at interpreter exit, where a hub still running keeps them.
+        self._finalizer = weakref.finalize(self, _drop, self.listener, directory)
+        self._finalizer.atexit = False
         self._token, self._max = token, max_size
         self._deliver, self._note_drop, self._call_later = deliver, note_drop, call_later
         self._links, self._link_up, self._name = links, link_up, name
@@ -569,4 +583,4 @@ class UnixHub:
         for receiver in list(self._receivers.values()):
             receiver.close()
         self._receivers.clear()
-        self.listener.close()
+        self._finalizer()  # the listener, the directory
