@@ -19,7 +19,7 @@ NBVAL  := --nbval --nbval-current-env --nbval-sanitize-with notebooks/nbval_sani
 CHROMIUM ?= /usr/bin/chromium
 PYTEST   := $(PY) -m pytest -q -rsR
 
-.PHONY: lab test test-gpu test-fast test-notebooks test-torch-suites test-browser test-slurm screenshots system-deps browser-deps lint bench clean
+.PHONY: lab test test-gpu test-fast test-oldest test-notebooks test-torch-suites test-browser test-slurm screenshots system-deps browser-deps lint bench clean
 
 # $(call install,EXTRAS): the environment, torch first (pinned: an unpinned torch
 # would pull gigabytes of CUDA packages), then nbrpc with EXTRAS.
@@ -60,8 +60,26 @@ test: $(STAMP) system-deps
 	$(PY) -m ruff check nbrpc tests benchmarks examples tools
 	$(PYTEST) --durations=25
 
+# The tiers that start no processes (no engines, workers, browser or namespaces).
+FAST := not multiprocess and not torch_rpc and not cluster and not netns and not slurm \
+        and not mpi and not browser and not faults and not binder and not torch_suites and not lab
+
 test-fast: $(STAMP)
-	$(PYTEST) -m "not multiprocess and not torch_rpc and not cluster and not netns and not slurm and not mpi and not browser and not faults and not binder and not torch_suites and not lab"
+	$(PYTEST) -m "$(FAST)"
+
+# The floors pyproject.toml gives its dependencies, checked: .venv-oldest holds
+# the oldest release each admits (tools/oldest.py pins them) and runs the fast
+# tiers. Not part of make test: PyPI's torch is a CUDA build (about 4 GB with
+# its nvidia-* packages; the pinned CPU wheel exists only for torch 2.13).
+OLDEST := .venv-oldest
+test-oldest: $(STAMP)
+	$(PY) tools/oldest.py > .oldest-pins.txt
+	$(PYTHON) -m venv $(OLDEST)
+	$(OLDEST)/bin/python -m pip install --quiet --upgrade pip
+	$(OLDEST)/bin/python -m pip install --quiet -c .oldest-pins.txt torch
+	$(OLDEST)/bin/python -m pip install --quiet -c .oldest-pins.txt -e '.[test]'
+	$(OLDEST)/bin/python -m pip list 2>/dev/null | grep -iE "^($$(cut -d= -f1 .oldest-pins.txt | paste -sd'|')) "
+	$(OLDEST)/bin/python -m pytest -q -rsR -m "$(FAST)"
 
 test-notebooks: $(STAMP)
 	$(PYTEST) $(NBVAL) notebooks/
@@ -130,4 +148,4 @@ bench: $(STAMP)
 	$(PY) benchmarks/bench_security.py
 
 clean:
-	rm -rf $(VENV) *.egg-info .pytest_cache
+	rm -rf $(VENV) $(OLDEST) .oldest-pins.txt *.egg-info .pytest_cache

@@ -12,6 +12,49 @@ __version__ = "0.1.0"
 __all__ = ["Cluster", "ClusterError", "ClusterStatus", "load_ipython_extension", "show",
            "unload_ipython_extension"]
 
+
+
+def _torch_too_old(version: str, requires: list[str] | None) -> str | None:
+    """What is wrong when torch ``version`` is older than the floor nbrpc's
+    metadata gives (``requires``: its requirement strings, from pyproject.toml),
+    with the fix; None when it is new enough or no floor is known.
+
+    >>> _torch_too_old("2.4.1+cu121", ["pyzmq>=26.4", "torch>=2.9"])[:60]
+    'nbrpc needs torch>=2.9, and this environment has torch 2.4.1'
+    >>> _torch_too_old("2.13.0+cpu", ["torch>=2.9"]) is None
+    True
+    """
+    from torch.torch_version import TorchVersion
+
+    floor = next((r.partition(">=")[2].split(",")[0].strip() for r in requires or ()
+                  if r.replace(" ", "").startswith("torch>=")), None)
+    if floor is None or TorchVersion(version) >= floor:
+        return None
+    return (f"nbrpc needs torch>={floor}, and this environment has torch {version} "
+            f"(older releases lack autograd graph APIs nbrpc's backward uses). Upgrade "
+            f"torch: pip install 'torch>={floor}' (a CPU-only build: add "
+            "--index-url https://download.pytorch.org/whl/cpu).")
+
+
+def _check_torch() -> None:
+    """Refuse, at import, a torch older than nbrpc's floor, rather than fail
+    deep inside a backward pass (pip enforces the floor; an environment built
+    with --no-deps, or by conda, may not)."""
+    import importlib.metadata
+
+    import torch
+
+    try:
+        requires = importlib.metadata.requires("nbrpc")
+    except importlib.metadata.PackageNotFoundError:  # run from a source tree
+        return
+    problem = _torch_too_old(str(torch.__version__), requires)
+    if problem:
+        raise ImportError(problem)
+
+
+_check_torch()
+
 # Layers that install themselves into every agent (request handlers, state):
 # imported here so that an agent made through any entry point has them all.
 from . import autograd as _autograd  # noqa: E402,F401

@@ -101,6 +101,27 @@ def test_importing_nbrpc_starts_no_thread_and_no_socket() -> None:
     assert out.stdout.strip() == "clean", out.stderr
 
 
+def test_importing_nbrpc_under_a_torch_older_than_its_floor_says_so() -> None:
+    """pip keeps torch at pyproject.toml's floor or newer; an environment built
+    around pip (--no-deps, conda) may not, and nbrpc then fails at import with
+    the floor and the fix, not later inside a backward pass."""
+    floor = next(line.split(">=")[1].split('"')[0] for line in
+                 (PKG.parent / "pyproject.toml").read_text().splitlines()
+                 if line.strip().startswith('"torch>='))
+    code = ("import torch\n"
+            "torch.__version__ = torch.torch_version.TorchVersion('2.4.1+cu121')\n"
+            "import nbrpc\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 1, out.stderr
+    last = out.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"ImportError: nbrpc needs torch>={floor}, and this environment "
+                           "has torch 2.4.1+cu121"), last
+    assert f"pip install 'torch>={floor}'" in last
+    ok = subprocess.run([sys.executable, "-c", "import nbrpc"], capture_output=True,
+                        text=True, timeout=60)
+    assert ok.returncode == 0, ok.stderr
+
+
 def test_an_agent_never_started_and_let_go_closes_its_sockets_and_context() -> None:
     """The garbage collector may finalize a zmq context before its sockets, and
     term() then waits for them for ever (the interpreter's exit hung so): the
