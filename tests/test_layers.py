@@ -147,6 +147,21 @@ def test_an_agent_never_started_and_let_go_closes_its_sockets_and_context() -> N
     assert not pipe & open_fds(), "the wake pipe is still open"
 
 
+def test_a_script_that_never_calls_shutdown_exits_without_a_crash_of_its_io_thread() -> None:
+    """A script (or a kernel shut down) that ends with its agent running: the
+    process exits, and nothing closes the zmq sockets under the I/O thread's
+    poll on the way out (that thread then logged a crash, ENOTSOCK)."""
+    code = ("import time\n"
+            "from nbrpc import rpc\n"
+            "rpc.init_rpc('a', rank=0, world_size=1,\n"
+            "             rpc_backend_options=rpc.api._free_port_options())\n"
+            "assert rpc.rpc_sync('a', max, args=(1, 2)) == 2\n"
+            "time.sleep(0.2)  # the I/O thread back in its poll\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "crashed" not in out.stderr, out.stderr
+
+
 def _readlink(path: str) -> str | None:
     try:
         return os.readlink(path)

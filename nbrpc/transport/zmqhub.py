@@ -247,10 +247,14 @@ class ZmqHub:
         # A hub dropped without close() (an Agent made, never started, and let
         # go) must not leave its context to the garbage collector, which may
         # finalize the context before its sockets: term() then waits for them
-        # for ever (at interpreter exit too). This closes them first; close()
-        # runs it too.
+        # for ever. This closes them first; close() runs it too. Not at
+        # interpreter exit (a script that never called shutdown()): the I/O
+        # thread may still be polling these sockets, and a zmq socket is not
+        # to be closed under another thread's poll; the process's exit
+        # releases them (pyzmq terminates no context then).
         self._finalizer = weakref.finalize(self, _drop, self.ctx,
                                            [router, self._zap, self._router_events])
+        self._finalizer.atexit = False
 
     @property
     def closed(self) -> bool:
