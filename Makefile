@@ -73,12 +73,12 @@ test-fast: $(STAMP)
 # its nvidia-* packages; the pinned CPU wheel exists only for torch 2.13).
 OLDEST := .venv-oldest
 test-oldest: $(STAMP)
-	$(PY) tools/oldest.py > .oldest-pins.txt
 	$(PYTHON) -m venv $(OLDEST)
+	$(PY) tools/oldest.py > $(OLDEST)/pins.txt
 	$(OLDEST)/bin/python -m pip install --quiet --upgrade pip
-	$(OLDEST)/bin/python -m pip install --quiet -c .oldest-pins.txt torch
-	$(OLDEST)/bin/python -m pip install --quiet -c .oldest-pins.txt -e '.[test]'
-	$(OLDEST)/bin/python -m pip list 2>/dev/null | grep -iE "^($$(cut -d= -f1 .oldest-pins.txt | paste -sd'|')) "
+	$(OLDEST)/bin/python -m pip install --quiet -c $(OLDEST)/pins.txt torch
+	$(OLDEST)/bin/python -m pip install --quiet -c $(OLDEST)/pins.txt -e '.[test]'
+	$(OLDEST)/bin/python -m pip list 2>/dev/null | grep -iE "^($$(cut -d= -f1 $(OLDEST)/pins.txt | paste -sd'|')) "
 	$(OLDEST)/bin/python -m pytest -q -rsR -m "$(FAST)"
 
 test-notebooks: $(STAMP)
@@ -148,4 +148,4 @@ bench: $(STAMP)
 	$(PY) benchmarks/bench_security.py
 
 clean:
-	rm -rf $(VENV) $(OLDEST) .oldest-pins.txt *.egg-info .pytest_cache
+	rm -rf $(VENV) $(OLDEST) *.egg-info .pytest_cache

@@ -6,6 +6,7 @@ Importing nbrpc starts nothing: no threads, no sockets, no zmq context until
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 __version__ = "0.1.0"
@@ -13,21 +14,38 @@ __all__ = ["Cluster", "ClusterError", "ClusterStatus", "load_ipython_extension",
            "unload_ipython_extension"]
 
 
+def _floors(requires: list[str]) -> dict[str, str | None]:
+    """Each runtime requirement's ``>=`` bound, by name (None: it has none),
+    from requirement strings as the package's metadata gives them; those of an
+    extra are left out. What ``import nbrpc`` checks torch against, and what
+    ``make test-oldest`` pins (tools/oldest.py).
 
-def _torch_too_old(version: str, requires: list[str] | None) -> str | None:
-    """What is wrong when torch ``version`` is older than the floor nbrpc's
-    metadata gives (``requires``: its requirement strings, from pyproject.toml),
-    with the fix; None when it is new enough or no floor is known.
+    >>> _floors(["torch>=2.9", "numpy<3,>=1.24", "psutil", 'pytest>=8; extra == "test"'])
+    {'torch': '2.9', 'numpy': '1.24', 'psutil': None}
+    """
+    floors: dict[str, str | None] = {}
+    for text in requires:
+        spec, _, marker = text.partition(";")
+        if "extra" in marker:
+            continue
+        name = re.match(r"\s*([\w.-]+)", spec).group(1)
+        low = [c.strip()[2:].strip() for c in spec.split(name, 1)[1].split(",")
+               if c.strip().startswith(">=")]
+        floors[name] = low[0] if low else None
+    return floors
 
-    >>> _torch_too_old("2.4.1+cu121", ["pyzmq>=26.4", "torch>=2.9"])[:60]
+
+def _torch_too_old(version: str, floor: str | None) -> str | None:
+    """What is wrong when torch ``version`` is older than ``floor`` (nbrpc's,
+    from its metadata), with the fix; None when it is new enough or no floor is known.
+
+    >>> _torch_too_old("2.4.1+cu121", "2.9")[:60]
     'nbrpc needs torch>=2.9, and this environment has torch 2.4.1'
-    >>> _torch_too_old("2.13.0+cpu", ["torch>=2.9"]) is None
+    >>> _torch_too_old("2.13.0+cpu", "2.9") is None
     True
     """
     from torch.torch_version import TorchVersion
 
-    floor = next((r.partition(">=")[2].split(",")[0].strip() for r in requires or ()
-                  if r.replace(" ", "").startswith("torch>=")), None)
     if floor is None or TorchVersion(version) >= floor:
         return None
     return (f"nbrpc needs torch>={floor}, and this environment has torch {version} "
@@ -45,10 +63,10 @@ def _check_torch() -> None:
     import torch
 
     try:
-        requires = importlib.metadata.requires("nbrpc")
+        requires = importlib.metadata.requires("nbrpc") or []
     except importlib.metadata.PackageNotFoundError:  # run from a source tree
         return
-    problem = _torch_too_old(str(torch.__version__), requires)
+    problem = _torch_too_old(str(torch.__version__), _floors(requires).get("torch"))
     if problem:
         raise ImportError(problem)
 

@@ -105,9 +105,12 @@ def test_importing_nbrpc_under_a_torch_older_than_its_floor_says_so() -> None:
     """pip keeps torch at pyproject.toml's floor or newer; an environment built
     around pip (--no-deps, conda) may not, and nbrpc then fails at import with
     the floor and the fix, not later inside a backward pass."""
-    floor = next(line.split(">=")[1].split('"')[0] for line in
-                 (PKG.parent / "pyproject.toml").read_text().splitlines()
-                 if line.strip().startswith('"torch>='))
+    import importlib.metadata
+
+    from nbrpc import _floors
+
+    floor = _floors(importlib.metadata.requires("nbrpc"))["torch"]
+    assert floor, "no torch floor in nbrpc's metadata"
     code = ("import torch\n"
             "torch.__version__ = torch.torch_version.TorchVersion('2.4.1+cu121')\n"
             "import nbrpc\n")
@@ -147,19 +150,54 @@ def test_an_agent_never_started_and_let_go_closes_its_sockets_and_context() -> N
     assert not pipe & open_fds(), "the wake pipe is still open"
 
 
-def test_a_script_that_never_calls_shutdown_exits_without_a_crash_of_its_io_thread() -> None:
-    """A script (or a kernel shut down) that ends with its agent running: the
-    process exits, and nothing closes the zmq sockets under the I/O thread's
-    poll on the way out (that thread then logged a crash, ENOTSOCK)."""
-    code = ("import time\n"
+def test_a_script_that_never_calls_shutdown_exits_with_its_loop_stopped_by_its_own_thread() -> None:
+    """A script (or a kernel shut down) that ends with its agent running: at
+    exit the I/O loop is stopped, and its own thread closes its sockets and
+    removes its socket directory. Nothing closes a zmq socket under that
+    thread's poll (it then logged a crash, ENOTSOCK), and nothing is left for
+    the next process's sweep."""
+    code = ("import os, tempfile, time\n"
             "from nbrpc import rpc\n"
+            "from nbrpc.agent.agent import current_agent\n"
             "rpc.init_rpc('a', rank=0, world_size=1,\n"
             "             rpc_backend_options=rpc.api._free_port_options())\n"
             "assert rpc.rpc_sync('a', max, args=(1, 2)) == 2\n"
-            "time.sleep(0.2)  # the I/O thread back in its poll\n")
+            "tmp = tempfile.gettempdir()\n"
+            "print([os.path.join(tmp, d) for d in os.listdir(tmp)\n"
+            "       if d.startswith(f'nbrpc-ipc-{os.getpid()}-')])\n"
+            "loop, deadline = current_agent().io, time.monotonic() + 10\n"
+            "while not loop._sleeping and time.monotonic() < deadline:  # back in its poll\n"
+            "    time.sleep(0.001)\n"
+            "assert loop._sleeping\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert "crashed" not in out.stderr, out.stderr
+    dirs = ast.literal_eval(out.stdout.strip())
+    assert len(dirs) == 1, out.stdout  # the socket directory existed while it ran
+    assert not os.path.exists(dirs[0]), "the socket directory outlived the process"
+
+
+def test_a_forked_child_that_exits_leaves_its_parents_loop_alone() -> None:
+    """A child forked from a process whose loop runs, and exiting normally,
+    stops no loop at its exit: the parent's socket directory stays, and the
+    parent's agent goes on answering."""
+    code = ("import os, sys, tempfile\n"
+            "from nbrpc import rpc\n"
+            "rpc.init_rpc('a', rank=0, world_size=1,\n"
+            "             rpc_backend_options=rpc.api._free_port_options())\n"
+            "tmp = tempfile.gettempdir()\n"
+            "mine = [d for d in os.listdir(tmp) if d.startswith(f'nbrpc-ipc-{os.getpid()}-')]\n"
+            "pid = os.fork()\n"
+            "if pid == 0:\n"
+            "    sys.exit(0)  # (a normal exit: atexit hooks run)\n"
+            "_, status = os.waitpid(pid, 0)\n"
+            "assert os.waitstatus_to_exitcode(status) == 0\n"
+            "assert len(mine) == 1 and os.path.isdir(os.path.join(tmp, mine[0])), mine\n"
+            "assert rpc.rpc_sync('a', max, args=(1, 2), timeout=10) == 2\n"
+            "rpc.shutdown()\n"
+            "print('ok')\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.stdout.strip() == "ok", out.stderr
 
 
 def _readlink(path: str) -> str | None:

@@ -276,7 +276,7 @@ def test_segments_of_zombies_are_swept() -> None:
 def test_sweep_leaves_live_and_foreign_entries_and_is_cheap(monkeypatch) -> None:
     live = [_orphan(os.getpid(), 0) for _ in range(200)]  # ours, alive
     dead_pid = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
-                              capture_output=True, text=True).stdout.strip()
+                              capture_output=True, text=True, timeout=60).stdout.strip()
     look_alike = [f"nbrpc-{dead_pid}-abcd-0", f"nbrpc-{dead_pid}-{'ab' * 8}.free"]
     for n in look_alike:  # dead creator, but not a directory of ours by name
         open(shm._path(n), "w").close()

@@ -42,6 +42,7 @@ or busy (its GIL held) keeps its link up.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import threading
@@ -82,6 +83,7 @@ _MAX_SLEEP_MS = 500  # the loop wakes at least this often to look at new timers
 # GIL), and what arrived then (a reply, a connection's hello) must count before
 # the deadlines that fell due in the pause.
 STALL_S = 0.5
+EXIT_STOP_S = 2.0  # at interpreter exit, how long each running loop may take to stop
 
 
 class IOLoop:
@@ -157,8 +159,9 @@ class IOLoop:
         os.set_blocking(self._wake_r, False)
         # The wake pipe's fds (plain ints: no object closes them) are closed once,
         # by close(), or when the loop is let go without it (an Agent made and
-        # never started; its hubs see to their own sockets). Not at interpreter
-        # exit: a loop still running then keeps them.
+        # never started; its hubs see to their own sockets). Not by the
+        # finalizer at interpreter exit: a loop still running is stopped then
+        # (_stop_running) and closes them itself.
         self._close_pipe = weakref.finalize(self, _close_fds, self._wake_r, self._wake_w)
         self._close_pipe.atexit = False
         self._sleeping = False
@@ -207,6 +210,7 @@ class IOLoop:
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
+        _running.add(self)
         self._thread.start()
 
     def set_address(self, peer: int, address: str, local_address: str | None = None) -> None:
@@ -505,6 +509,7 @@ class IOLoop:
         if self._closed:  # the pipe's fds may belong to someone else by now
             return
         self._closed = True
+        _running.discard(self)
         if self._shm is not None:
             self._shm.close()
         with self._dealers_lock:
@@ -659,10 +664,27 @@ def _bracket(host: str) -> str:
     return f"[{host}]" if ":" in host and not host.startswith("[") else host
 
 
-
 def _close_fds(*fds: int) -> None:
     for fd in fds:
         try:
             os.close(fd)
         except OSError:
             pass
+
+
+# The loops whose thread runs. At interpreter exit (a script, or a kernel, that
+# never called shutdown()) each is stopped, so that its own thread closes its
+# sockets, shared memory and socket directory, in order: no other thread may
+# close a zmq socket under its poll, which is why the hubs' finalizers do not
+# run at exit. (Registered after pyzmq's own exit hook: it runs before it.) A
+# forked child has none: its parent's loops, threads and directories stay the parent's.
+_running: weakref.WeakSet[IOLoop] = weakref.WeakSet()
+os.register_at_fork(after_in_child=_running.clear)
+
+
+def _stop_running() -> None:
+    for loop in list(_running):
+        loop.stop(EXIT_STOP_S)
+
+
+atexit.register(_stop_running)

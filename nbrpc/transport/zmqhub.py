@@ -250,8 +250,8 @@ class ZmqHub:
         # for ever. This closes them first; close() runs it too. Not at
         # interpreter exit (a script that never called shutdown()): the I/O
         # thread may still be polling these sockets, and a zmq socket is not
-        # to be closed under another thread's poll; the process's exit
-        # releases them (pyzmq terminates no context then).
+        # to be closed under another thread's poll; the loop is stopped then
+        # and closes them from its own thread (io._stop_running).
         self._finalizer = weakref.finalize(self, _drop, self.ctx,
                                            [router, self._zap, self._router_events])
         self._finalizer.atexit = False
