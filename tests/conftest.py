@@ -95,6 +95,17 @@ def small_rref_graph(type_name: str, nbytes: int) -> dict:
                            "users": {"0:2": "driver"}}}}
 
 
+def gc_frozen() -> bool:
+    """Whether objects are frozen (gc.freeze, by anyone), read from the
+    collector itself: get_referrers skips frozen objects, and a freeze takes
+    sys.__dict__. (gc.get_freeze_count() does not tell: CPython 3.12 keeps
+    immortal objects in the permanent generation.)"""
+    import gc
+    import sys
+
+    return not any(r is sys.__dict__ for r in gc.get_referrers(sys.modules))
+
+
 def free_ports(n: int) -> list[int]:
     """``n`` distinct loopback ports free at the time of the call."""
     socks = []
