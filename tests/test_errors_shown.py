@@ -122,6 +122,50 @@ def test_format_exception_leaves_out_hidden_frames_but_the_last() -> None:
     assert "in middle" not in text and text.endswith("ValueError: bad\n")
 
 
+def test_frames_are_written_with_the_options_newer_pythons_pass(monkeypatch) -> None:
+    """Python 3.13's traceback module passes colorize= to format_frame_summary:
+    the cell-naming stack passes it on (refusing it lost every remote error)."""
+    given = []
+
+    def newer(self, frame_summary, **kwargs):  # (as 3.13's StackSummary)
+        given.append(kwargs)
+        return f'  File "{frame_summary.filename}", line {frame_summary.lineno}\n'
+
+    monkeypatch.setattr(traceback.StackSummary, "format_frame_summary", newer)
+    fs = traceback.FrameSummary("/x.py", 2, "f", line="return 1 / 0")
+    assert source._Stack([fs]).format_frame_summary(fs, colorize=False) == \
+        '  File "/x.py", line 2\n'
+    assert given == [{"colorize": False}]
+
+
+def test_an_error_whose_traceback_cannot_be_written_still_reaches_the_caller(
+        trio_default, monkeypatch, caplog) -> None:
+    def broken(self, frame_summary, **kwargs):
+        raise TypeError("a traceback module this code does not know")
+
+    monkeypatch.setattr(source._Stack, "format_frame_summary", broken)
+    with pytest.raises(ZeroDivisionError) as info:  # not a timeout: the answer came
+        rpc.rpc_sync("b", reciprocal, args=(0,), timeout=10)
+    assert "in reciprocal" in info.value.remote_traceback  # the standard library's text
+    assert "formatting a ZeroDivisionError's traceback failed" in caplog.text
+
+
+class _Unprintable(Exception):
+    def __str__(self) -> str:
+        raise RuntimeError("no words")
+
+
+def _raise_unprintable() -> None:
+    raise _Unprintable()
+
+
+def test_an_error_whose_message_cannot_be_written_still_reaches_the_caller(trio_default
+                                                                           ) -> None:
+    with pytest.raises(_Unprintable) as info:
+        rpc.rpc_sync("b", _raise_unprintable, timeout=10)
+    assert "_raise_unprintable" in info.value.remote_traceback
+
+
 def _cell_function(ip, code: str):
     ip.run_cell(code, store_history=True)
     return ip.user_ns["scale"], ip.execution_count - 1

@@ -7,7 +7,7 @@ import gc
 import sys
 
 import pytest
-from conftest import poll_for
+from conftest import gc_frozen, poll_for
 
 from nbrpc import debug
 from nbrpc.rref import RRef, remote
@@ -103,6 +103,26 @@ def test_why_alive_names_users_and_variables(trio_default) -> None:
     assert poll_for(lambda: "already freed" in debug.why_alive(rid)["reasons"][0])
 
 
+def test_a_frames_variables_are_read_from_a_view_as_python_3_13_gives(trio_default) -> None:
+    """From Python 3.13 f_locals is a view that refuses deletions (PEP 667);
+    before, a dict left on the frame, from which RRefs are taken out."""
+    import inspect
+    import types
+
+    from nbrpc.debug import referrers
+
+    a, _, _ = trio_default
+    kept = remote(a, "b", Box, (3,), {}, -1)
+    code = types.SimpleNamespace(co_flags=inspect.CO_OPTIMIZED)
+    view = types.MappingProxyType({"kept": kept, "n": 1})  # refuses deletions, too
+    frame = types.SimpleNamespace(f_code=code, f_locals=view)
+    assert referrers._variables(frame) == [("kept", kept), ("n", 1)]  # type: ignore[arg-type]
+    left = {"kept": kept, "n": 1}
+    frame.f_locals = left
+    assert referrers._variables(frame) == [("kept", kept), ("n", 1)]  # type: ignore[arg-type]
+    assert left == {"n": 1}  # the RRef taken out of the dict left on the frame
+
+
 def test_ipython_output_history_keeps_an_rref_alive_and_why_alive_says_so(
         trio_default, monkeypatch: pytest.MonkeyPatch) -> None:
     """A cell that displays an RRef stores it in Out[n] (and _): deleting the
@@ -160,12 +180,12 @@ def test_why_alive_sees_containers_frozen_for_short_collections(trio_default) ->
     a, _, _ = trio_default
     from nbrpc.agent import gcfreeze
 
-    assert gcfreeze.is_frozen() and gc.get_freeze_count() > 0
+    assert gcfreeze.is_frozen() and gc_frozen()
     _HOLDER["r"] = remote(a, "b", Box, (4,), {}, -1)
     try:
         why = debug.why_alive(_HOLDER["r"])
         assert "the dict `_HOLDER` (key 'r'), a global in module test_rref_debug" in \
             why["references"]["a"], why
-        assert not gcfreeze.is_frozen() and gc.get_freeze_count() == 0
+        assert not gcfreeze.is_frozen() and not gc_frozen()
     finally:
         del _HOLDER["r"]

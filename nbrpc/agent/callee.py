@@ -31,7 +31,7 @@ from .asyncfn import check_future, is_async
 from .futures import on_done, outcome
 from .messages import INLINE, REQUEST, RESPONSE, Call, Ok
 from .pool import blocking
-from .remote_errors import pack_error
+from .remote_errors import message_of, pack_error
 from .wire import (
     LOGGED_ATTR,
     Deferred,
@@ -185,7 +185,7 @@ class Callee:
         except Exception:  # an exception type without attributes
             pass
         log.warning("nbrpc agent %r: %s from %r raised %s: %s", self.name, op,
-                    self.members.peer_name(sender), type(e).__name__, e)
+                    self.members.peer_name(sender), type(e).__name__, message_of(e))
         log.debug("the traceback", exc_info=e)
 
     def _reply_future(self, env: Envelope, f: torch.futures.Future, op: str, started: float,

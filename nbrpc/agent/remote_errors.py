@@ -31,7 +31,21 @@ def pack_error(e: BaseException, worker: str) -> Err:
         exc_pickle = None
     # an error that came from further away keeps the worker it was raised on
     worker = getattr(e, "remote_worker", None) or worker
-    return Err(worker, f"{type(e).__module__}.{type(e).__qualname__}", str(e), tb, exc_pickle)
+    return Err(worker, f"{type(e).__module__}.{type(e).__qualname__}", message_of(e), tb,
+               exc_pickle)
+
+
+def message_of(e: BaseException) -> str:
+    """``str(e)``, or a note saying it failed: an exception whose ``__str__``
+    raises must not cost its caller the answer.
+
+    >>> message_of(ValueError("no"))
+    'no'
+    """
+    try:
+        return str(e)
+    except Exception as why:
+        return f"<the message could not be written: {type(why).__name__}: {why}>"
 
 
 def rebuild_error(err: Err) -> BaseException:

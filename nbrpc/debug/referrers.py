@@ -234,17 +234,20 @@ def _variables(frame: types.FrameType) -> list[tuple[str, Any]]:
     """A function's variables as (name, value) pairs; none for the body of a
     module or a class (its namespace is a dict, reported as such).
 
-    Reading them (``f_locals``) leaves a dict on the frame that holds the values
-    until the next read or the frame's end: a reference nobody wrote. The RRefs,
-    and the containers that hold some, are taken out of it at once, so that
-    asking why an RRef is alive does not keep one alive."""
+    Before Python 3.13, reading them (``f_locals``) leaves a dict on the frame
+    that holds the values until the next read or the frame's end: a reference
+    nobody wrote. The RRefs, and the containers that hold some, are taken out
+    of it at once, so that asking why an RRef is alive does not keep one alive.
+    From 3.13 (PEP 667) ``f_locals`` is a view of the frame's variables, which
+    leaves nothing behind (and refuses deletions)."""
     if not frame.f_code.co_flags & inspect.CO_OPTIMIZED:
         return []
     snapshot = frame.f_locals
     pairs = list(snapshot.items())
-    for k, v in pairs:
-        if _has_rref(v):
-            del snapshot[k]
+    if type(snapshot) is dict:
+        for k, v in pairs:
+            if _has_rref(v):
+                del snapshot[k]
     return pairs
 
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import inspect
 import linecache
+import logging
 import sys
 import traceback
 import types
@@ -34,6 +35,8 @@ import weakref
 from typing import Any
 
 from cloudpickle import cloudpickle as _cp
+
+log = logging.getLogger(__name__)
 
 LABELS_MAX = 4096  # files whose label (and shipped lines) a process keeps
 LINES_MAX = 100_000  # a longer file's lines are not kept
@@ -115,8 +118,9 @@ def _remember(filename: str, label: str | None, first: int, lines: tuple[str, ..
 class _Stack(traceback.StackSummary):
     """Frames of notebook cells written as IPython writes them: ``Cell In[7], line 2``."""
 
-    def format_frame_summary(self, frame_summary: traceback.FrameSummary) -> str:
-        text = super().format_frame_summary(frame_summary)
+    def format_frame_summary(self, frame_summary: traceback.FrameSummary, **kwargs: Any
+                             ) -> str:  # (Python 3.13 passes colorize=)
+        text = super().format_frame_summary(frame_summary, **kwargs)
         label = cell_label(frame_summary.filename)
         if label:
             text = text.replace(f'File "{frame_summary.filename}"', label, 1)
@@ -146,7 +150,28 @@ def _hides(frame: types.FrameType) -> bool:
 def format_exception(e: BaseException) -> str:
     """``e``'s traceback as text, as :func:`traceback.format_exception` writes
     it, but with notebook cells named by their labels and without frames that
-    set ``__tracebackhide__`` (the last frame of each traceback is always kept)."""
+    set ``__tracebackhide__`` (the last frame of each traceback is always kept).
+    Should that fail, the standard library's text: the error still reaches
+    its caller.
+
+    >>> try:
+    ...     1 / 0
+    ... except ZeroDivisionError as e:
+    ...     print(format_exception(e).splitlines()[-1])
+    ZeroDivisionError: division by zero
+    """
+    try:
+        return _format_exception(e)
+    except Exception:
+        log.warning("formatting a %s's traceback failed; written plainly instead",
+                    type(e).__name__, exc_info=True)
+    try:
+        return "".join(traceback.format_exception(type(e), e, e.__traceback__))
+    except Exception:  # (e.g. a __str__ that raises)
+        return f"{type(e).__qualname__} (its traceback and message could not be written)"
+
+
+def _format_exception(e: BaseException) -> str:
     root = traceback.TracebackException(type(e), e, e.__traceback__)
     todo: list[tuple[Any, BaseException | None]] = [(root, e)]
     seen: set[int] = set()
