@@ -775,6 +775,25 @@ def test_rref_backward(group, mode: str) -> None:
         assert rpc_sync("b", grad_of_value, (wb,)) is None
 
 
+def test_rref_backward_right_after_remote_waits_for_the_value(group) -> None:
+    """PyTorch's test_user_rref_backward, made deterministic: the Remote is held
+    back, so the owner gets the backward request first. It waits for the
+    value (it answered "never created" when its pool ran them in that order)."""
+    a = group[0]
+    x = make_param(0, 5)
+    a.faults.add("remote", "delay", delay=0.3)  # the backward's request reaches b first
+    with dist_autograd.context() as ctx:
+        loss = remote("b", torch.sum, (x * 2,))
+        loss.backward(ctx)
+        assert a.faults.fired == [("remote", "request", "delay")]
+        assert torch.equal(dist_autograd.get_gradients(ctx)[x], torch.full((5,), 2.0))
+    a.faults.add("remote", "delay", delay=0.3)
+    with dist_autograd.context() as ctx:
+        words = remote("b", str, ("foo",))
+        with pytest.raises(RuntimeError, match=r"RRef should contain a tensor for \.backward"):
+            words.backward(ctx)
+
+
 def backward_on_owner(rref: RRef) -> None:
     assert rref.is_owner()
     rref.backward()

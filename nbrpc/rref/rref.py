@@ -212,7 +212,6 @@ class RRef(Generic[T]):
         With ``dist_autograd_ctx_id`` (from ``nbrpc.autograd.context()``), a
         distributed backward pass in that context starts on the owner; with -1,
         a local ``value.backward()`` runs there (gradients in ``.grad``)."""
-        args = (self._id, dist_autograd_ctx_id, retain_graph)
         if dist_autograd_ctx_id == -1 and not self.is_owner():
             raise NbrpcError(
                 "User RRefs require 'dist_autograd_ctx_id' to be specified: RRef "
@@ -220,9 +219,15 @@ class RRef(Generic[T]):
                 f"{self.owner_name()!r}, away from this worker's graph. Call it inside "
                 "`with nbrpc.autograd.context() as context_id:` as rref.backward(context_id).")
         if self.is_owner():
-            _backward_on_owner(*args)
+            _backward_on_owner(self._id, dist_autograd_ctx_id, retain_graph)
             return
         self._check_owner()
+        # As a proxy's call: the request may overtake the one that creates the
+        # value on the owner (its pool runs them in any order), so while this
+        # copy is unconfirmed, the owner waits for the value, within the timeout.
+        pending = self._state() == PENDING
+        limit = self._agent.options.rpc_timeout
+        args = (self._id, dist_autograd_ctx_id, retain_graph, pending, limit)
         self._agent.rpc_async(self._owner, _backward_on_owner, args, keep=self).wait()
 
     def __str__(self) -> str:
@@ -404,9 +409,10 @@ def _call_method_on_owner(rref_id: RRefId, name: str, args: tuple, kwargs: dict,
 mark_async(_call_method_on_owner)
 
 
-def _backward_on_owner(rref_id: RRefId, ctx_id: int, retain_graph: bool) -> None:
+def _backward_on_owner(rref_id: RRefId, ctx_id: int, retain_graph: bool,
+                       may_overtake: bool = False, timeout: float = 0.0) -> None:
     agent = current_agent()
-    value = wait_result(agent.ext["rref"].entry(rref_id).value)
+    value = wait_result(agent.ext["rref"].value_future(rref_id, may_overtake, timeout))
     if not isinstance(value, torch.Tensor):  # PyTorch's text and type first
         raise NbrpcError(f"RRef should contain a tensor for .backward(): RRef {rref_id} on "
                          f"{agent.name!r} holds a {type(value).__name__}; call backward on "
