@@ -19,7 +19,7 @@ NBVAL  := --nbval --nbval-current-env --nbval-sanitize-with notebooks/nbval_sani
 CHROMIUM ?= /usr/bin/chromium
 PYTEST   := $(PY) -m pytest -q -rsR
 
-.PHONY: lab test test-gpu test-fast test-oldest test-notebooks test-torch-suites test-browser test-slurm screenshots system-deps browser-deps lint bench clean
+.PHONY: lab test test-gpu test-fast test-oldest test-python test-notebooks test-torch-suites test-browser test-slurm screenshots system-deps browser-deps lint bench clean
 
 # $(call install,EXTRAS): the environment, torch first (pinned: an unpinned torch
 # would pull gigabytes of CUDA packages), then nbrpc with EXTRAS.
@@ -80,6 +80,18 @@ test-oldest: $(STAMP)
 	$(OLDEST)/bin/python -m pip install --quiet -c $(OLDEST)/pins.txt -e '.[test]'
 	$(OLDEST)/bin/python -m pip list 2>/dev/null | grep -iE "^($$(cut -d= -f1 $(OLDEST)/pins.txt | paste -sd'|')) "
 	$(OLDEST)/bin/python -m pytest -q -rsR -m "$(FAST)"
+
+# Another Python than make test's (nbrpc admits 3.11 and later): the fast tiers
+# in .venv-python, e.g. make test-python OTHER_PYTHON=python3.13. Not part of
+# make test either: torch for another Python is PyPI's CUDA build (about 5 GB).
+OTHER_PYTHON ?= python3.12
+OTHER_VENV   := .venv-python
+test-python:
+	$(OTHER_PYTHON) -m venv --clear $(OTHER_VENV)
+	$(OTHER_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(OTHER_VENV)/bin/python -m pip install --quiet torch==2.13.0
+	$(OTHER_VENV)/bin/python -m pip install --quiet -e '.[test]'
+	$(OTHER_VENV)/bin/python -m pytest -q -rsR -m "$(FAST)"
 
 test-notebooks: $(STAMP)
 	$(PYTEST) $(NBVAL) notebooks/
