@@ -67,6 +67,14 @@ FAST := not multiprocess and not torch_rpc and not cluster and not netns and not
 test-fast: $(STAMP)
 	$(PYTEST) -m "$(FAST)"
 
+# $(call side_install,VENV,PIP_OPTIONS,TORCH): into an environment beside .venv,
+# torch first (TORCH), then nbrpc with its test extras; PIP_OPTIONS for both.
+define side_install
+	$(1)/bin/python -m pip install --quiet --upgrade pip
+	$(1)/bin/python -m pip install --quiet $(2) $(3)
+	$(1)/bin/python -m pip install --quiet $(2) -e '.[test]'
+endef
+
 # The floors pyproject.toml gives its dependencies, checked: .venv-oldest holds
 # the oldest release each admits (tools/oldest.py pins them) and runs the fast
 # tiers. Not part of make test: PyPI's torch is a CUDA build (about 4 GB with
@@ -75,9 +83,7 @@ OLDEST := .venv-oldest
 test-oldest: $(STAMP)
 	$(PYTHON) -m venv $(OLDEST)
 	$(PY) tools/oldest.py > $(OLDEST)/pins.txt
-	$(OLDEST)/bin/python -m pip install --quiet --upgrade pip
-	$(OLDEST)/bin/python -m pip install --quiet -c $(OLDEST)/pins.txt torch
-	$(OLDEST)/bin/python -m pip install --quiet -c $(OLDEST)/pins.txt -e '.[test]'
+	$(call side_install,$(OLDEST),-c $(OLDEST)/pins.txt,torch)
 	$(OLDEST)/bin/python -m pip list 2>/dev/null | grep -iE "^($$(cut -d= -f1 $(OLDEST)/pins.txt | paste -sd'|')) "
 	$(OLDEST)/bin/python -m pytest -q -rsR -m "$(FAST)"
 
@@ -88,9 +94,7 @@ OTHER_PYTHON ?= python3.12
 OTHER_VENV   := .venv-python
 test-python:
 	$(OTHER_PYTHON) -m venv --clear $(OTHER_VENV)
-	$(OTHER_VENV)/bin/python -m pip install --quiet --upgrade pip
-	$(OTHER_VENV)/bin/python -m pip install --quiet torch==2.13.0
-	$(OTHER_VENV)/bin/python -m pip install --quiet -e '.[test]'
+	$(call side_install,$(OTHER_VENV),,torch==2.13.0)
 	$(OTHER_VENV)/bin/python -m pytest -q -rsR -m "$(FAST)"
 
 test-notebooks: $(STAMP)

@@ -81,6 +81,26 @@ def local_user(name: str) -> tuple[int, int]:
     return pw.pw_uid, pw.pw_gid
 
 
+def python_as(uid: int, gid: int, needs: str = "pass", env: dict[str, str] | None = None
+              ) -> tuple[str | None, list[str]]:
+    """The first Python that user (``uid``, ``gid``) may run ``needs`` with:
+    this environment's, else Debian's (another user may not start an
+    interpreter installed under /root, such as pyenv's with a shared
+    libpython). None if neither, and why each failed."""
+    import subprocess
+    import sys
+
+    why = []
+    for python in (sys.executable, "/usr/bin/python3"):
+        probe = subprocess.run(["setpriv", f"--reuid={uid}", f"--regid={gid}", "--clear-groups",
+                                python, "-c", needs],
+                               env=env, cwd="/", capture_output=True, text=True, timeout=30)
+        if probe.returncode == 0:
+            return python, why
+        why.append(f"{python}: {probe.stderr.strip()[-200:]}")
+    return None, why
+
+
 def small_rref_graph(type_name: str, nbytes: int) -> dict:
     """``debug.rref_graph()``'s plain data for a small group: one value (of
     ``type_name``, ``nbytes``) owned by worker1 and held by the driver, and a
@@ -93,17 +113,6 @@ def small_rref_graph(type_name: str, nbytes: int) -> dict:
         "values": {"1:1": {"owner": "worker1", "state": "ready", "type": type_name,
                            "nbytes": nbytes, "site": "x.py:3", "age": 1.0, "owner_refs": 0,
                            "users": {"0:2": "driver"}}}}
-
-
-def gc_frozen() -> bool:
-    """Whether objects are frozen (gc.freeze, by anyone), read from the
-    collector itself: get_referrers skips frozen objects, and a freeze takes
-    sys.__dict__. (gc.get_freeze_count() does not tell: CPython 3.12 keeps
-    immortal objects in the permanent generation.)"""
-    import gc
-    import sys
-
-    return not any(r is sys.__dict__ for r in gc.get_referrers(sys.modules))
 
 
 def free_ports(n: int) -> list[int]:

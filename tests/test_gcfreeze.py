@@ -9,14 +9,14 @@ import weakref
 from collections.abc import Iterator
 
 import pytest
-from conftest import gc_frozen, local_group
+from conftest import local_group
 
 from nbrpc.agent import gcfreeze
 
 
 @pytest.fixture(autouse=True)
 def no_freeze_around() -> Iterator[None]:
-    assert not gc_frozen() and not gcfreeze.is_frozen(), "a test before left a freeze"
+    assert not gcfreeze.anything_frozen() and not gcfreeze.is_frozen(), "a test before left a freeze"
     yield
     gcfreeze.thaw()
     gc.unfreeze()
@@ -32,21 +32,21 @@ def test_the_first_hold_freezes_and_the_last_release_gives_back() -> None:
     gcfreeze.release()
     assert gc.get_freeze_count() == frozen
     gcfreeze.release()
-    assert not gc_frozen() and not gcfreeze.is_frozen()
+    assert not gcfreeze.anything_frozen() and not gcfreeze.is_frozen()
 
 
 def test_thaw_ends_the_freeze_until_every_agent_has_stopped() -> None:
     gcfreeze.hold()
     gcfreeze.thaw()
-    assert not gc_frozen()
+    assert not gcfreeze.anything_frozen()
     gcfreeze.hold()  # another agent while one runs: stays thawed
-    assert not gc_frozen()
+    assert not gcfreeze.anything_frozen()
     gcfreeze.release()
     gcfreeze.release()
     gcfreeze.hold()  # all stopped, a new one starts: frozen again
-    assert gc_frozen()
+    assert gcfreeze.anything_frozen()
     gcfreeze.release()
-    assert not gc_frozen()
+    assert not gcfreeze.anything_frozen()
 
 
 def test_a_freeze_made_by_the_process_itself_is_left_alone() -> None:
@@ -55,7 +55,7 @@ def test_a_freeze_made_by_the_process_itself_is_left_alone() -> None:
     gcfreeze.hold()
     assert not gcfreeze.is_frozen()
     gcfreeze.release()
-    assert gc.get_freeze_count() == theirs and gc_frozen()  # not unfrozen by us
+    assert gc.get_freeze_count() == theirs and gcfreeze.anything_frozen()  # not unfrozen by us
 
 
 def test_immortal_objects_in_the_permanent_generation_are_no_freeze(monkeypatch) -> None:
@@ -66,9 +66,9 @@ def test_immortal_objects_in_the_permanent_generation_are_no_freeze(monkeypatch)
     monkeypatch.setattr(gc, "get_freeze_count", lambda: count() + 375)
     assert not gcfreeze.frozen_by_process()
     gcfreeze.hold()
-    assert gcfreeze.is_frozen() and gc_frozen()
+    assert gcfreeze.is_frozen() and gcfreeze.anything_frozen()
     gcfreeze.release()
-    assert not gcfreeze.is_frozen() and not gc_frozen()
+    assert not gcfreeze.is_frozen() and not gcfreeze.anything_frozen()
 
 
 def test_a_frozen_garbage_cycle_is_collected_once_given_back() -> None:
@@ -89,8 +89,8 @@ def test_a_frozen_garbage_cycle_is_collected_once_given_back() -> None:
 
 def test_agents_freeze_while_running_unless_told_not_to() -> None:
     with local_group(["a", "b"]) as (a, b):
-        assert gcfreeze.is_frozen() and gc_frozen()
+        assert gcfreeze.is_frozen() and gcfreeze.anything_frozen()
         assert a.rpc_async("b", divmod, (7, 2)).wait() == (3, 1)
-    assert not gc_frozen() and not gcfreeze.is_frozen()
+    assert not gcfreeze.anything_frozen() and not gcfreeze.is_frozen()
     with local_group(["a", "b"], gc_freeze=False):
-        assert not gc_frozen()
+        assert not gcfreeze.anything_frozen()

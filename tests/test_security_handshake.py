@@ -33,7 +33,7 @@ from contextlib import contextmanager
 
 import pytest
 import zmq
-from conftest import free_ports, local_user, poll_for
+from conftest import free_ports, local_user, poll_for, python_as
 
 from nbrpc.transport import frames, zmqhub
 
@@ -247,12 +247,11 @@ def test_a_local_clusters_controller_listens_only_where_no_other_user_reaches() 
         probe = ("import socket, sys\ns = socket.socket(socket.AF_UNIX)\n"
                  "try:\n    s.connect(sys.argv[1])\nexcept OSError as e:\n"
                  "    print(type(e).__name__)\nelse:\n    print('connected')")
-        for python in (sys.executable, "/usr/bin/python3"):  # (the first the user may run)
-            out = subprocess.run(["setpriv", f"--reuid={uid}", f"--regid={gid}",
-                                  "--clear-groups", python, "-c", probe, path],
-                                 capture_output=True, text=True, timeout=30)
-            if out.returncode == 0:
-                break
+        python, why = python_as(uid, gid)
+        assert python is not None, why
+        out = subprocess.run(["setpriv", f"--reuid={uid}", f"--regid={gid}", "--clear-groups",
+                              python, "-c", probe, path],
+                             capture_output=True, text=True, timeout=30)
         assert out.stdout.strip() == "PermissionError", (out.stdout, out.stderr)
         assert rpc.rpc_sync("worker1", max, args=(1, 2)) == 2
         assert cluster.view("worker1").apply_sync(max, 3, 4) == 4

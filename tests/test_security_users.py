@@ -41,7 +41,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from conftest import free_ports, local_user, poll_or_fail
+from conftest import free_ports, local_user, poll_or_fail, python_as
 
 import nbrpc
 from nbrpc import rpc
@@ -81,16 +81,10 @@ def attacker() -> Attacker:
     site = str(Path(zmq.__file__).resolve().parent.parent)
     env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": site, "HOME": "/nonexistent",
            "PYTHONDONTWRITEBYTECODE": "1"}
-    why = []
-    for python in (sys.executable, "/usr/bin/python3"):  # the venv's, if others may run it
-        probe = subprocess.run(
-            ["setpriv", f"--reuid={uid}", f"--regid={gid}", "--clear-groups",
-             python, "-c", "import zmq"],
-            env=env, cwd="/", capture_output=True, text=True, timeout=30)
-        if probe.returncode == 0:
-            return Attacker(uid, gid, python, env)
-        why.append(f"{python}: {probe.stderr.strip()[-200:]}")
-    pytest.skip(f"no Python with pyzmq that {ATTACKER} may run: {why}")
+    python, why = python_as(uid, gid, "import zmq", env)
+    if python is None:
+        pytest.skip(f"no Python with pyzmq that {ATTACKER} may run: {why}")
+    return Attacker(uid, gid, python, env)
 
 
 @pytest.fixture

@@ -81,20 +81,28 @@ def frozen_by_process() -> bool:
     by this module), which this module then leaves as they are. While this
     module holds its own freeze: False.
 
+    >>> frozen_by_process()
+    False
+    """
+    return not _frozen and anything_frozen()
+
+
+def anything_frozen() -> bool:
+    """Whether :func:`gc.freeze` took the objects alive (by anyone's call).
+
     A count of zero says no. Otherwise the count alone does not tell: CPython
     3.12 moves immortal objects (hundreds, from start-up) to the permanent
     generation itself. A ``gc.freeze()`` moves every tracked object there,
     ``sys.__dict__`` among them, and :func:`gc.get_referrers` skips frozen
-    objects: so the process froze when ``sys.__dict__`` no longer shows as a
-    referrer of ``sys.modules``. This walks the unfrozen objects once (about
-    14 ms with torch imported), only where the count is not zero, at an
-    agent's start; it writes to none of them (pages shared with a pre-fork
-    parent stay shared).
+    objects: so objects are frozen when ``sys.__dict__`` no longer shows as a
+    referrer of ``sys.modules``. That walks the unfrozen objects once (about
+    14 ms with torch imported; an agent asks once, as the first starts), and
+    writes to none of them (pages shared with a pre-fork parent stay shared).
 
-    >>> frozen_by_process()
+    >>> anything_frozen()
     False
     """
-    if _frozen or gc.get_freeze_count() == 0:
+    if gc.get_freeze_count() == 0:
         return False
     namespace = sys.__dict__
     return not any(r is namespace for r in gc.get_referrers(sys.modules))
