@@ -259,6 +259,18 @@ def test_text_is_the_status_text_and_static_html_the_table(scripted: Scripted) -
     view.close()
 
 
+def test_a_snapshot_keeps_the_table_of_its_moment(scripted: Scripted) -> None:
+    view = ClusterView(scripted, live=False)
+    snap = view.snapshot()
+    scripted.next = status(dead="worker2")
+    view.refresh()
+    assert repr(snap) == str(status()) and view.text() == str(scripted.next)
+    assert "died (its engine process exited)" not in snap._repr_html_()
+    assert "died (its engine process exited)" in view.static_html()
+    assert view.last_status is scripted.next
+    view.close()
+
+
 def test_messages_per_second_are_the_difference_between_refreshes(
         scripted: Scripted, monkeypatch: pytest.MonkeyPatch) -> None:
     clock = [100.0]

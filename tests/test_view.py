@@ -3,7 +3,9 @@ view whose group has stopped, snapshots."""
 
 from __future__ import annotations
 
+import ast
 import contextlib
+import inspect
 import re
 import threading
 from collections.abc import Iterator
@@ -15,6 +17,7 @@ import nbrpc
 from nbrpc import views
 from nbrpc.agent import Agent
 from nbrpc.agent.agent import _local
+from nbrpc.jupyter import cluster_view, owner_map_view, rref_graph_view, stepper_view, trace_view
 from nbrpc.jupyter import view as view_module
 from nbrpc.jupyter.view import (
     GONE,
@@ -253,6 +256,24 @@ def test_a_snapshot_keeps_the_moment_it_was_taken() -> None:
     assert '<rect data-key="r2"/>' in v.static_html()
     assert "application/vnd.jupyter.widget-view+json" not in str(snap._repr_html_())
     v.close()
+
+
+def test_no_view_hides_a_method_of_view_under_an_attribute() -> None:
+    """``self.snapshot = ...`` in a subclass once made every ``snapshot()`` of
+    the cluster view raise "'ClusterStatus' object is not callable"."""
+    methods = {name for name in dir(View)
+               if inspect.isfunction(inspect.getattr_static(View, name))}
+    assert {"snapshot", "refresh", "text", "static_html"} <= methods
+    for module in (cluster_view, owner_map_view, rref_graph_view, stepper_view, trace_view):
+        tree = ast.parse(inspect.getsource(module))
+        classes = [c for c in ast.walk(tree) if isinstance(c, ast.ClassDef)
+                   and issubclass(getattr(module, c.name, object), View)]
+        assert classes, module.__name__
+        for cls in classes:
+            assigned = {t.attr for node in ast.walk(cls) if isinstance(node, ast.Assign)
+                        for t in node.targets if isinstance(t, ast.Attribute)
+                        and isinstance(t.value, ast.Name) and t.value.id == "self"}
+            assert not assigned & methods, (cls.name, assigned & methods)
 
 
 def test_the_tutorials_saved_widgets_carry_the_packages_stylesheet() -> None:

@@ -222,6 +222,8 @@ class ClusterView(View):
     ``live``: refresh every ``period`` seconds (at least 0.5) while the cluster
     runs; a newer live view of the same cluster takes over from this one.
     ``text/plain`` is the status's text (names, ranks, states): deterministic.
+    ``last_status`` is the last refresh's :class:`~nbrpc.cluster.ClusterStatus`;
+    :meth:`snapshot` freezes the view, as every view's.
 
     Its group is the cluster: once the cluster has stopped, the view draws it
     stopped and says so; Refresh and the rows still answer (they read the
@@ -235,7 +237,7 @@ class ClusterView(View):
         super().__init__()
         self.cluster, self.period, self.probe_timeout = cluster, max(PERIOD, period), probe_timeout
         self.action_timeout = action_timeout or (getattr(cluster, "timeout", 60.0) + 15.0)
-        self.snapshot = ClusterStatus(cluster.launcher_name, cluster.state, [])
+        self.last_status = ClusterStatus(cluster.launcher_name, cluster.state, [])
         self.rates: dict[str, float | None] = {}
         self.selected: str | None = None
         self.note = ""  # the outcome of the last action, kept in the status line
@@ -262,7 +264,7 @@ class ClusterView(View):
                 self.note = f"status failed: {type(e).__name__}: {e}"
                 status = ClusterStatus(self.cluster.launcher_name, self.cluster.state, [])
             self._measure(status)
-            self.snapshot = status
+            self.last_status = status
             self._draw()
 
     def _measure(self, status: ClusterStatus) -> None:
@@ -302,7 +304,7 @@ class ClusterView(View):
         return self.is_live and not self._ended
 
     def _draw_locked(self) -> None:
-        s, busy = self.snapshot, self.action_running
+        s, busy = self.last_status, self.action_running
         running = s.state == "running"
         self.title = s.summary()
         self.html = cluster_html(s, self.rates, buttons=running, selected=self.selected,
@@ -328,14 +330,14 @@ class ClusterView(View):
         self.status = " · ".join(parts)
 
     def text(self) -> str:
-        return str(self.snapshot)
+        return str(self.last_status)
 
     def static_html(self) -> str:
         """The table as it stands (no buttons); hosts, pids and counters marked as varying."""
         panel = (f'<div class="nbrpc-panel">{varies(self.panel)}</div>' if self.panel else "")
         status = (f'<div style="{STATUS_STYLE}">{varies(esc(self.status))}</div>'
                   if self.status else "")
-        return (f'<div class="nbrpc-static">{cluster_html(self.snapshot, self.rates)}'
+        return (f'<div class="nbrpc-static">{cluster_html(self.last_status, self.rates)}'
                 f"{panel}{status}</div>")
 
     @property
@@ -347,11 +349,11 @@ class ClusterView(View):
 
     def __getitem__(self, name: str) -> WorkerStatus:
         """The last refresh's row of member ``name`` (as ``ClusterStatus[name]``)."""
-        return self.snapshot[name]
+        return self.last_status[name]
 
     def count(self, state: str) -> int:
         """How many workers (the driver aside) were in ``state`` at the last refresh."""
-        return self.snapshot.count(state)
+        return self.last_status.count(state)
 
     # -- live --------------------------------------------------------------------------
     def live(self, period: float = PERIOD, alive: Callable[[], bool] | None = None,
