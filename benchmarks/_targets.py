@@ -129,3 +129,23 @@ def new_mlp(depth: int, width: int) -> Any:
 def mlp_rref(x: Any, mlp_rref: Any) -> Any:
     """Runs on the owner of ``mlp_rref``: the model on ``x``."""
     return mlp_rref.local_value()(x)
+
+
+# -- workers computing at once (bench_compute.py) -------------------------------------
+def train_steps(steps: int, n: int, seed: int) -> tuple[int, float, int]:
+    """``steps`` SGD steps of a two-layer ``Linear(n, n)`` model on a batch of
+    ``n``, here: (steps, seconds they took, torch's intra-op threads here)."""
+    import time
+
+    import torch
+
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(n, n), torch.nn.ReLU(), torch.nn.Linear(n, n))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    x, y = torch.randn(n, n), torch.randn(n, n)
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+    return steps, time.perf_counter() - t0, torch.get_num_threads()

@@ -215,6 +215,29 @@ def test_status_counts_owned_bytes_and_messages(cluster: Cluster) -> None:
     assert poll_for(lambda: cluster.status()["worker1"].owned_rrefs == w1_before.owned_rrefs, 5)
 
 
+# -- shared cluster: torch's threads --------------------------------------------
+def _cpus_each(workers: int) -> int:
+    """What ``torch_threads="auto"`` gives each of ``workers`` engines on this host."""
+    return max(1, len(os.sched_getaffinity(0)) // workers)
+
+
+def test_workers_divide_the_hosts_cpus_among_their_torch_threads(cluster: Cluster) -> None:
+    """Two workers on this host: each gets half its CPUs (at least one), on the
+    threads that serve calls (a channel's, the pool's) and on the engine's own."""
+    if os.environ.get("OMP_NUM_THREADS"):
+        pytest.skip("OMP_NUM_THREADS is set here: the engines keep it")
+    each = _cpus_each(2)
+    for name in ("worker1", "worker2"):
+        assert rpc.rpc_sync(name, torch.get_num_threads) == each, name
+        assert rpc.rpc_async(name, torch.get_num_threads).wait() == each, name
+        assert cluster.view(name).apply_sync(torch.get_num_threads) == each, name
+        # (a lambda travels by value: this module is not importable on the engines)
+        omp_env = rpc.rpc_sync(name, lambda: os.environ.get("OMP_NUM_THREADS"))
+        assert omp_env == str(each)  # for the processes it starts
+        assert cluster.status()[name].torch_threads == each
+    assert cluster.status()["driver"].torch_threads == torch.get_num_threads()  # untouched
+
+
 # -- shared cluster: the live view ---------------------------------------------
 def _live_views() -> list[threading.Thread]:
     return [t for t in threading.enumerate() if t.name == "nbrpc-live-view"]
@@ -305,6 +328,8 @@ def test_killed_engine_is_reported_and_restarted(cluster: Cluster) -> None:
     assert new_pid == cluster.workers["worker2"].pid and new_pid != pid
     assert rpc.rpc_sync("worker2", torch.mul, args=(torch.ones(2), 3)).tolist() == [3.0, 3.0]
     assert str(_wait_all_ready(cluster)).endswith("2     worker2  ready")
+    if not os.environ.get("OMP_NUM_THREADS"):  # the new engine gets its share too
+        assert rpc.rpc_sync("worker2", torch.get_num_threads) == _cpus_each(2)
 
 
 # -- shared cluster: add and remove -------------------------------------------
@@ -314,6 +339,9 @@ def test_add_then_remove_a_worker(cluster: Cluster, caplog: pytest.LogCaptureFix
     pid = rpc.rpc_sync("worker3", os.getpid)
     assert pid == cluster.workers["worker3"].pid
     assert rpc.rpc_sync("worker3", torch.add, args=(torch.ones(2), 2)).tolist() == [3.0, 3.0]
+    if not os.environ.get("OMP_NUM_THREADS"):  # a third of the CPUs (the others keep theirs)
+        assert rpc.rpc_sync("worker3", torch.get_num_threads) == _cpus_each(3)
+        assert rpc.rpc_sync("worker1", torch.get_num_threads) == _cpus_each(2)
     procs = list(cluster.workers["worker3"].procs)
     assert [p.pid for p in procs] == [pid]
 

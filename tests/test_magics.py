@@ -20,7 +20,7 @@ from nbrpc.cluster import ClusterStatus, WorkerStatus
 from nbrpc.debug import owner_map, rref_graph
 from nbrpc.debug.trace import Trace
 from nbrpc.errors import CellError
-from nbrpc.jupyter.magics import _launcher_options
+from nbrpc.jupyter.magics import _cluster_parser, _launcher_options
 from nbrpc.rref import RRef, remote
 
 
@@ -51,6 +51,8 @@ def shell() -> Iterator:
     ("stop now", "unrecognized arguments"),
     ("remove", "the following arguments are required: name"),
     ("add two", "expected a whole number"),
+    ("start 2 --torch-threads many", "expected auto, none or a number >= 1, got 'many'"),
+    ("start 2 --torch-threads 0", "expected auto, none or a number >= 1, got '0'"),
 ])
 def test_wrong_usage_raises_usage_error_with_the_fix(shell, line: str, message: str) -> None:
     with pytest.raises(UsageError) as e:
@@ -161,6 +163,14 @@ def test_help_for_the_magic_and_each_subcommand(shell, capsys) -> None:
     assert "sorted by rank" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("text, value", [("auto", "auto"), ("AUTO", "auto"), ("none", None),
+                                         ("3", 3)])
+def test_torch_threads_are_auto_none_or_a_count(text: str, value: object) -> None:
+    args, _ = _cluster_parser().parse_known_args(["start", "2", "--torch-threads", text])
+    assert args.torch_threads == value
+    assert _cluster_parser().parse_known_args(["start", "2"])[0].torch_threads == "auto"
+
+
 def test_launcher_options_are_python_literals_or_strings() -> None:
     assert _launcher_options(["--account=abc", "--engines={'h1': 2}", "--SlurmEngineSetLauncher.timelimit=1:00:00",
                               "--n=3"]) == {"account": "abc", "engines": {"h1": 2},
@@ -171,8 +181,8 @@ def test_launcher_options_are_python_literals_or_strings() -> None:
 
 @pytest.mark.cluster
 def test_a_session_of_magics_on_a_real_cluster(shell, capsys) -> None:
-    status = shell.run_line_magic("rpc_cluster",
-                                  "start 2 --threads 4 --failure-timeout 45 --encrypt")
+    status = shell.run_line_magic(
+        "rpc_cluster", "start 2 --threads 4 --failure-timeout 45 --encrypt --torch-threads 3")
     assert str(status).splitlines() == [
         "nbrpc cluster (fork launcher): 2 workers ready",
         "  rank  name     state",
@@ -199,6 +209,9 @@ def test_a_session_of_magics_on_a_real_cluster(shell, capsys) -> None:
                        "rpc.rpc_sync('worker1', lambda: (current_agent().options.failure_timeout,"
                        " current_agent().options.encrypt))")
     assert r.result == (45.0, True)  # the options reached the engines' agents
+    r = shell.run_cell("import torch\n"
+                       "[rpc.rpc_sync(w, torch.get_num_threads) for w in ('worker1', 'worker2')]")
+    assert r.result == [3, 3]  # --torch-threads 3
     capsys.readouterr()
 
     shell.run_cell_magic("rpc_on", "worker2 worker1",

@@ -39,6 +39,7 @@ from ..transport import local, new_key
 from . import engine as engine_side
 from . import gpus as gpus_
 from . import guard, jobs, relay
+from . import threads as threads_
 from .ipp import ClusterError, LoopThread, host_for_rank, kill_family, routable_ip
 from .progress import Progress, make_progress
 from .status import ClusterStatus, WorkerStatus, fill_row
@@ -67,6 +68,8 @@ class _Worker:
     exited: bool = False
     job: jobs.Job | None = None  # its batch job (slurm, pbs, ... launchers)
     place: str | None = None  # the host a restart puts it back on (mpi launcher)
+    cpu_share: threads_.CpuShare | None = None  # what its engine may run on (start_agent)
+    torch_threads: int | None = None  # the intra-op threads it was given, if any
 
 
 class Cluster:
@@ -94,6 +97,11 @@ class Cluster:
     takes them); ``gpus=True`` gives each worker one of its host's GPUs, round
     robin, and maps every pair of members device to device (the driver on
     cuda:0, or the CPU): see :mod:`nbrpc.cluster.gpus`.
+    ``torch_threads``: torch's intra-op threads in each worker (``"auto"``: the
+    CPUs a worker may run on, divided among the workers that share them, as
+    ``torchrun`` keeps several processes on a host from each using every CPU; an
+    int: that many; None: torch's default, one per CPU): see
+    :mod:`nbrpc.cluster.threads`.
     ``controller_max_message``: the largest ZeroMQ frame (bytes) ipyparallel's
     controller accepts (64 MiB): a peer that reaches its ports makes it hold
     no more than that per connection (ipyparallel has no handshake of its
@@ -131,6 +139,7 @@ class Cluster:
         controller_max_message: int = CONTROLLER_MAX_MESSAGE,
         device_maps: Mapping[str, Mapping[str, Mapping]] | None = None,
         gpus: bool = False,
+        torch_threads: int | str | None = "auto",
     ) -> None:
         if int(threads) < 1:
             raise ValueError(f"threads must be >= 1 (worker threads per agent), got {threads}")
@@ -159,6 +168,7 @@ class Cluster:
         self.controller_ip = controller_ip
         self.device_maps = gpus_.parse_maps(device_maps)  # {name: its maps, as published}
         self.gpus = bool(gpus)
+        self.torch_threads = threads_.check_setting(torch_threads)
         self.host = host or ("127.0.0.1" if self._local else routable_ip())
         self.progress = progress
         self._profile_dir = profile_dir
@@ -493,7 +503,7 @@ class Cluster:
                         {**options, **self._device_options(name)})
                 if w.agent_call is not None and w.agent_call.ready():
                     info = w.agent_call.get(0)  # raises the engine's error, if any
-                    w.pid, w.host = info["pid"], info["host"]
+                    w.pid, w.host, w.cpu_share = info["pid"], info["host"], info["cpu_share"]
                 if w.exited:
                     raise ClusterError(f"the engine of {name!r} exited during start-up:\n"
                                        f"{self._engine_output(name)}")
@@ -520,6 +530,31 @@ class Cluster:
             time.sleep(0.01)
         if self._device_options("driver"):
             gpus_.check_group(self.agent)
+        self._set_torch_threads(names, client, deadline)
+
+    def _set_torch_threads(self, names: list[str], client: Any, deadline: float) -> None:
+        """Give the workers ``names``, just started, their share of their CPUs
+        (``torch_threads``, see :mod:`nbrpc.cluster.threads`), on their engines'
+        main threads, before they serve any call."""
+        shares = {w.name: w.cpu_share for w in self.workers.values()
+                  if w.cpu_share is not None and not w.exited}
+        counts = {name: n for name, n in threads_.plan(self.torch_threads, shares).items()
+                  if name in names}
+        calls = {name: client[self.workers[name].engine_id].apply_async(threads_.apply, n)
+                 for name, n in counts.items()}
+        for name, call in calls.items():
+            try:
+                self.workers[name].torch_threads = call.get(
+                    max(1.0, deadline - time.monotonic()))
+            except Exception as e:  # noqa: BLE001 - it runs, with torch's default threads
+                log.warning("nbrpc cluster: could not set torch's threads in %r (it keeps "
+                            "torch's default, one per CPU): %s: %s", name, type(e).__name__, e)
+        if counts and self.torch_threads == threads_.AUTO:
+            given = sorted({(n, shares[name].cpus) for name, n in counts.items()})
+            log.info("nbrpc cluster: torch threads per worker (CPUs it may run on): %s, so "
+                     "that workers on one host do not each use every CPU "
+                     "(Cluster(torch_threads=None) keeps torch's default)",
+                     ", ".join(f"{n} ({cpus})" for n, cpus in given))
 
     def _device_options(self, name: str) -> dict[str, Any]:
         """What the member ``name`` builds its devices from (``start_agent`` on

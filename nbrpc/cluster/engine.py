@@ -23,6 +23,7 @@ from ..agent import Agent, AgentOptions, internal, set_default_agent
 from ..agent.agent import _Default
 from ..rpc.rendezvous import _local_ip_towards
 from . import gpus as gpus_
+from . import threads
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +63,7 @@ def start_agent(names: dict[str, int], fallback: str, coordinator: str, key: byt
     set_default_agent(agent)
     _agent.append(agent)
     return {"name": name, "rank": rank, "pid": os.getpid(), "host": socket.gethostname(),
-            "address": agent.address}
+            "address": agent.address, "cpu_share": threads.cpu_share()}
 
 
 def stop_agent() -> bool:
@@ -107,6 +108,7 @@ def describe(agent: Agent | None) -> dict[str, Any]:
         "host": socket.gethostname(),
         # the pool's threads and those serving callers' own channels
         "threads": counters.get("threads", 0) + counters.get("channels", 0),
+        "torch_threads": torch.get_num_threads(),  # (as the calling thread runs operators)
         "busy_threads": counters.get("busy_threads", 0) + counters.get("channels_busy", 0),
         "in_flight": counters.get("in_flight", 0),
         "owned_rrefs": len(owned),

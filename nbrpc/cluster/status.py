@@ -35,6 +35,7 @@ class WorkerStatus:
     job: str = ""  # its batch job, as last seen (e.g. "Slurm job 17 RUNNING on n1")
     device: str = ""  # its own device in a cluster with gpus=True ("cuda:1", "cpu")
     device_bytes: int = 0  # bytes of the values it owns that are off its CPU (on GPUs)
+    torch_threads: int = 0  # torch's intra-op threads, as its calls run them (0: not known)
 
 
 @dataclass
@@ -100,7 +101,7 @@ class ClusterStatus:
 def fill_row(row: WorkerStatus, info: dict[str, Any]) -> WorkerStatus:
     """Copy a probe's counters into a status row (pid and host too, when given)."""
     for key in ("busy_threads", "in_flight", "owned_rrefs", "owned_bytes", "device_bytes",
-                "messages", "bytes_moved", "pid", "host"):
+                "messages", "bytes_moved", "pid", "host", "torch_threads"):
         if info.get(key) is not None:
             setattr(row, key, info[key])
     return row

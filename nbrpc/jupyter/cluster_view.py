@@ -202,6 +202,8 @@ def _details(w: WorkerStatus, rate: float | None) -> str:
               ("calls in flight", w.in_flight), ("owned RRefs", w.owned_rrefs),
               ("bytes owned", fmt_bytes(w.owned_bytes)), ("messages", f"{w.messages:,}"),
               ("messages/s", _rate(rate)), ("bytes moved", fmt_bytes(w.bytes_moved))]
+    if w.torch_threads:
+        fields.append(("torch threads", w.torch_threads))
     if w.device:
         fields.append(("device", w.device))
     if w.device_bytes:

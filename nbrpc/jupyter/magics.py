@@ -68,6 +68,16 @@ def _positive_float(text: str) -> float:
     return value
 
 
+def _torch_threads(text: str) -> int | str | None:
+    if text.lower() in ("auto", "none"):
+        return None if text.lower() == "none" else "auto"
+    try:
+        return _positive_int(text)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(
+            f"expected auto, none or a number >= 1, got {text!r}") from None
+
+
 def _cluster_parser() -> _Parser:
     p = _Parser(prog="%rpc_cluster", description=(
         "Start and manage a cluster of ipyparallel engines, each hosting an nbrpc agent "
@@ -83,6 +93,10 @@ def _cluster_parser() -> _Parser:
                         "ipyparallel launcher: mpi, ssh, slurm, pbs, sge, lsf, ...")
     s.add_argument("--threads", type=_positive_int, default=16,
                    help="worker threads per agent (default 16)")
+    s.add_argument("--torch-threads", type=_torch_threads, default="auto",
+                   help="torch's intra-op threads per worker: auto (default: the CPUs a "
+                        "worker may run on, divided among the workers that share them), a "
+                        "number, or none (torch's default: one per CPU in every worker)")
     s.add_argument("--timeout", type=_positive_float, default=60.0,
                    help="seconds to wait for the workers (default 60)")
     s.add_argument("--rpc-timeout", type=_positive_float, default=60.0,
@@ -177,7 +191,8 @@ class ClusterMagics(Magics):
                           threads=args.threads, timeout=args.timeout,
                           rpc_timeout=args.rpc_timeout, host=args.host,
                           failure_timeout=args.failure_timeout, encrypt=args.encrypt,
-                          controller_ip=args.controller_ip, gpus=args.gpus)
+                          controller_ip=args.controller_ip, gpus=args.gpus,
+                          torch_threads=args.torch_threads)
         cluster.start(args.n)
         old, self.cluster = self.cluster, cluster
         if self.shell.user_ns.get("rpc_cluster") in (None, old):  # not the user's own

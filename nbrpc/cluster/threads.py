@@ -1,0 +1,119 @@
+"""How many CPU threads torch uses in each worker of a cluster.
+
+torch gives every process one intra-op thread per CPU it may run on
+(``torch.get_num_threads()``). A cluster puts several engines on one host, and
+each would then run its matrix products on every CPU of the host at once: on
+this project's 2-core machine, two cluster workers training a small model at
+the same time made 205 steps/s between them with torch's default and 673 with
+one thread each; four workers 76 against 708 (``benchmarks/bench_compute.py``).
+Their OpenMP threads outnumber the CPUs, and each parallel region then waits
+for the kernel to wake threads that lost their CPU (the engines' idle OpenMP
+threads sleep, ``OMP_WAIT_POLICY=PASSIVE``, rather than spin). ``torchrun``
+sets ``OMP_NUM_THREADS=1`` for each of several processes on a host for the
+same reason.
+
+So a cluster divides the CPUs: ``Cluster(torch_threads="auto")`` (the default)
+gives each worker ``max(1, cpus // sharing)`` threads, where ``cpus`` is what
+the worker's process may run on (its affinity: a Slurm or cgroup CPU set
+counts, not the host's total) and ``sharing`` the number of the cluster's
+workers that run on those same CPUs of the same machine. A worker whose
+environment sets ``OMP_NUM_THREADS`` keeps it (the user chose). An int gives
+every worker that many; ``None`` leaves torch's default. The driver (the
+kernel) is not changed: it is the user's own process.
+
+A worker's count is set when it starts (:func:`apply`, run on its engine's
+main thread before it serves any call): torch applies it to each thread the
+first time that thread runs an operator, so every thread nbrpc starts later in
+the worker (its pool, the threads serving callers' channels) uses it too. The
+workers already running when more are added keep theirs. The cost: a worker
+computing alone while the others idle has fewer threads than it could have had
+(347 steps/s instead of 676 in the same benchmark).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+from collections import Counter
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+
+log = logging.getLogger(__name__)
+
+AUTO = "auto"
+
+
+@dataclass(frozen=True)
+class CpuShare:
+    """What a worker's process may run on: ``cpus`` CPUs, named by ``cpu_set``
+    (equal for two processes on the same machine with the same affinity), and
+    its ``OMP_NUM_THREADS`` if its environment sets one."""
+
+    cpus: int
+    cpu_set: str
+    omp_env: str | None = None
+
+
+def check_setting(value: object) -> int | str | None:
+    """``torch_threads`` as a cluster takes it: ``"auto"``, None or an int >= 1.
+
+    >>> check_setting("auto"), check_setting(None), check_setting(4)
+    ('auto', None, 4)
+    >>> check_setting(0)
+    Traceback (most recent call last):
+    ValueError: torch_threads must be 'auto', None or a whole number >= 1 (torch's intra-op threads per worker), got 0
+    """
+    if value is None or value == AUTO:
+        return value  # type: ignore[return-value]
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
+        return value
+    raise ValueError("torch_threads must be 'auto', None or a whole number >= 1 (torch's "
+                     f"intra-op threads per worker), got {value!r}")
+
+
+def cpu_share() -> CpuShare:
+    """This process's :class:`CpuShare` (run in a worker when it starts)."""
+    try:
+        cpus = sorted(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # (not Linux)
+        cpus = list(range(os.cpu_count() or 1))
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            machine = f.read().strip()
+    except OSError:
+        machine = f"unknown-{os.getpid()}"  # never assume a shared machine
+    digest = hashlib.blake2b(f"{machine}:{cpus}".encode(), digest_size=8).hexdigest()
+    return CpuShare(len(cpus), digest, os.environ.get("OMP_NUM_THREADS") or None)
+
+
+def plan(setting: int | str | None, shares: Mapping[str, CpuShare]) -> dict[str, int]:
+    """The thread count to set in each worker (those left as they are are not
+    in it), for the workers' :class:`CpuShare`.
+
+    >>> two_cpus = CpuShare(2, "a")
+    >>> plan("auto", {"worker1": two_cpus, "worker2": two_cpus, "worker3": CpuShare(8, "b")})
+    {'worker1': 1, 'worker2': 1, 'worker3': 8}
+    >>> plan("auto", {"worker1": two_cpus, "worker2": CpuShare(2, "a", omp_env="2")})
+    {'worker1': 1}
+    >>> plan(3, {"worker1": two_cpus}), plan(None, {"worker1": two_cpus})
+    ({'worker1': 3}, {})
+    """
+    if setting is None:
+        return {}
+    if setting != AUTO:
+        return dict.fromkeys(shares, int(setting))
+    sharing = Counter(s.cpu_set for s in shares.values())
+    return {name: max(1, s.cpus // sharing[s.cpu_set])
+            for name, s in shares.items() if s.omp_env is None}
+
+
+def apply(n: int) -> int:
+    """Use ``n`` intra-op threads in this process from now on (run on a
+    worker's engine, on its main thread), and in the processes it starts
+    (``OMP_NUM_THREADS``, as ``torchrun`` sets it). Returns torch's count."""
+    torch.set_num_threads(n)
+    os.environ["OMP_NUM_THREADS"] = str(n)
+    return torch.get_num_threads()

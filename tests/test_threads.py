@@ -1,0 +1,59 @@
+"""Torch's threads per cluster worker (nbrpc.cluster.threads) with no engines:
+the plan from each worker's CPUs, the option's checks, what a worker reports.
+On real engines: tests/test_cluster.py (marked ``cluster``)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from nbrpc.cluster import Cluster, threads
+from nbrpc.cluster.engine import describe
+from nbrpc.cluster.threads import CpuShare, plan
+
+
+def test_workers_on_the_same_cpus_divide_them_and_others_keep_theirs() -> None:
+    shares = {"worker1": CpuShare(8, "host-a"), "worker2": CpuShare(8, "host-a"),
+              "worker3": CpuShare(8, "host-a"), "worker4": CpuShare(4, "host-b"),
+              "worker5": CpuShare(1, "host-c"), "worker6": CpuShare(1, "host-c")}
+    assert plan("auto", shares) == {"worker1": 2, "worker2": 2, "worker3": 2, "worker4": 4,
+                                    "worker5": 1, "worker6": 1}  # (never 0)
+
+
+def test_a_worker_whose_environment_sets_omp_num_threads_keeps_it_but_still_counts() -> None:
+    shares = {"worker1": CpuShare(4, "a"), "worker2": CpuShare(4, "a", omp_env="4")}
+    assert plan("auto", shares) == {"worker1": 2}
+    assert plan(3, shares) == {"worker1": 3, "worker2": 3}  # a number is the user's choice
+    assert plan(None, shares) == {}
+
+
+def test_this_process_share_names_its_cpus_and_machine(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    mine = threads.cpu_share()
+    assert mine == threads.cpu_share()  # the same process: the same CPU set
+    assert mine.cpus == len(os.sched_getaffinity(0)) and mine.omp_env is None
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert threads.cpu_share().omp_env == "3"
+
+
+@pytest.mark.parametrize("bad", [0, -1, 1.5, "all", True])
+def test_a_cluster_refuses_a_thread_count_it_cannot_use(bad: object) -> None:
+    with pytest.raises(ValueError, match="torch_threads must be 'auto', None or a whole number"):
+        Cluster(torch_threads=bad)  # (before anything starts)
+
+
+def test_apply_sets_torch_and_the_environment_of_processes_started_later(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    before = torch.get_num_threads()
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    try:
+        assert threads.apply(1) == 1 == torch.get_num_threads()
+        assert os.environ["OMP_NUM_THREADS"] == "1"
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_a_workers_status_reports_its_torch_threads() -> None:
+    assert describe(None)["torch_threads"] == torch.get_num_threads()
