@@ -162,6 +162,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/bench_rpc.py
 	$(PY) benchmarks/bench_cluster.py
 	$(PY) benchmarks/bench_security.py
+	$(PY) benchmarks/bench_compute.py
 
 clean:
 	rm -rf $(VENV) $(OLDEST) *.egg-info .pytest_cache
