@@ -471,19 +471,21 @@ def table_rows(keys: list[str], runs: dict[str, list[dict[str, float]]]) -> list
     return rows
 
 
-def render(rows: list[list[str]], markdown: bool) -> str:
+def render(rows: list[list[str]], markdown: bool, header: list[str] = HEADER) -> str:
+    """The table as text (first column left-aligned, the rest right) or Markdown
+    (``bench_compute.py`` uses it too, with its own ``header``)."""
     if markdown:
-        lines = ["| " + " | ".join(HEADER) + " |",
-                 "|" + "|".join([":---"] + ["---:"] * (len(HEADER) - 1)) + "|"]
+        lines = ["| " + " | ".join(header) + " |",
+                 "|" + "|".join([":---"] + ["---:"] * (len(header) - 1)) + "|"]
         return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows])
-    table = [HEADER, *rows]
-    widths = [max(len(line[i]) for line in table) for i in range(len(HEADER))]
+    table = [header, *rows]
+    widths = [max(len(line[i]) for line in table) for i in range(len(header))]
 
     def line(cells: list[str]) -> str:
         return "  ".join([cells[0].ljust(widths[0])]
                          + [c.rjust(w) for c, w in zip(cells[1:], widths[1:])]).rstrip()
 
-    return "\n".join([line(HEADER), "  ".join("-" * w for w in widths)]
+    return "\n".join([line(header), "  ".join("-" * w for w in widths)]
                      + [line(r) for r in rows])
 
 

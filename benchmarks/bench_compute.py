@@ -35,7 +35,6 @@ import argparse
 import json
 import os
 import platform
-import socket
 import statistics
 import sys
 import tempfile
@@ -47,16 +46,12 @@ from typing import Any
 import _targets
 import torch
 import torch.multiprocessing as mp
+from bench_cluster import render  # benchmarks/ is on sys.path
+from bench_rpc import free_port
 
 HERE = Path(__file__).resolve().parent
 N = 256  # the model's width and the batch
 CASES = ("torch", "nbrpc-auto", "nbrpc-default")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def one_round(rpc: Any, workers: list[str], steps: int, timeout: float) -> tuple[float, list]:
@@ -108,7 +103,7 @@ def run_torch(n_workers: int, steps: int, timeout: float) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "result.json")
         ctx = mp.start_processes(_torch_process, nprocs=n_workers + 1, join=False,
-                                 args=(n_workers + 1, free_port(), steps, out, timeout),
+                                 args=(n_workers + 1, free_port(set()), steps, out, timeout),
                                  start_method="spawn")
         deadline = time.monotonic() + 3 * timeout
         while not ctx.join(timeout=1.0):
@@ -163,15 +158,7 @@ def main(argv: list[str] | None = None) -> int:
                 threads = statistics.median(r[key]["threads"] for r in runs[(w, case)])
                 rows.append([str(w), what, case, f"{threads:g}", f"{rate:,.0f}",
                              f"{rate / base:.2f}x"])
-    widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
-    if args.markdown:
-        print("| " + " | ".join(head) + " |")
-        print("|" + "|".join(":---" if i < 3 else "---:" for i in range(len(head))) + "|")
-        for r in rows:
-            print("| " + " | ".join(r) + " |")
-    else:
-        for r in [head, *rows]:
-            print("  ".join(c.ljust(widths[i]) for i, c in enumerate(r)))
+    print(render(rows, args.markdown, head))
     return 0
 
 

@@ -138,9 +138,9 @@ def test_a_batch_job_is_shown_in_the_note_and_the_details() -> None:
 def test_a_workers_details_give_its_torch_threads_where_known() -> None:
     s = status()
     s["worker1"].torch_threads = 3
-    assert "<td>torch threads</td><td>3</td>" in cluster_view._details(s["worker1"], None)
-    assert "torch threads" not in cluster_view._details(s["worker2"], None)  # (0: not known)
-    assert "torch threads" not in headers(cluster_html(s))  # the details only: no column
+    assert "<td>torch.get_num_threads()</td><td>3</td>" in cluster_view._details(s["worker1"], None)
+    assert "get_num_threads" not in cluster_view._details(s["worker2"], None)  # (0: not known)
+    assert "torch.get_num_threads()" not in headers(cluster_html(s))  # the details only: no column
 
 
 def headers(page: str) -> list[str]:

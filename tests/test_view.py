@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import ast
 import contextlib
+import importlib
 import inspect
+import pkgutil
 import re
+import textwrap
 import threading
 from collections.abc import Iterator
 
@@ -14,10 +17,9 @@ import pytest
 from conftest import local_group, poll_for
 
 import nbrpc
-from nbrpc import views
+from nbrpc import jupyter, views
 from nbrpc.agent import Agent
 from nbrpc.agent.agent import _local
-from nbrpc.jupyter import cluster_view, owner_map_view, rref_graph_view, stepper_view, trace_view
 from nbrpc.jupyter import view as view_module
 from nbrpc.jupyter.view import (
     GONE,
@@ -261,19 +263,22 @@ def test_a_snapshot_keeps_the_moment_it_was_taken() -> None:
 def test_no_view_hides_a_method_of_view_under_an_attribute() -> None:
     """``self.snapshot = ...`` in a subclass once made every ``snapshot()`` of
     the cluster view raise "'ClusterStatus' object is not callable"."""
+    for info in pkgutil.iter_modules(jupyter.__path__):  # every view class defined
+        importlib.import_module(f"{jupyter.__name__}.{info.name}")
     methods = {name for name in dir(View)
                if inspect.isfunction(inspect.getattr_static(View, name))}
     assert {"snapshot", "refresh", "text", "static_html"} <= methods
-    for module in (cluster_view, owner_map_view, rref_graph_view, stepper_view, trace_view):
-        tree = ast.parse(inspect.getsource(module))
-        classes = [c for c in ast.walk(tree) if isinstance(c, ast.ClassDef)
-                   and issubclass(getattr(module, c.name, object), View)]
-        assert classes, module.__name__
-        for cls in classes:
-            assigned = {t.attr for node in ast.walk(cls) if isinstance(node, ast.Assign)
-                        for t in node.targets if isinstance(t, ast.Attribute)
-                        and isinstance(t.value, ast.Name) and t.value.id == "self"}
-            assert not assigned & methods, (cls.name, assigned & methods)
+    views, todo = [], list(View.__subclasses__())
+    while todo:
+        views.append(todo.pop())
+        todo += views[-1].__subclasses__()
+    assert {"ClusterView", "StepperView", "TraceView"} <= {v.__name__ for v in views}
+    for cls in views:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+        assigned = {t.attr for node in ast.walk(tree) if isinstance(node, ast.Assign)
+                    for t in node.targets if isinstance(t, ast.Attribute)
+                    and isinstance(t.value, ast.Name) and t.value.id == "self"}
+        assert not assigned & methods, (cls.__qualname__, assigned & methods)
 
 
 def test_the_tutorials_saved_widgets_carry_the_packages_stylesheet() -> None:

@@ -69,7 +69,6 @@ class _Worker:
     job: jobs.Job | None = None  # its batch job (slurm, pbs, ... launchers)
     place: str | None = None  # the host a restart puts it back on (mpi launcher)
     cpu_share: threads_.CpuShare | None = None  # what its engine may run on (start_agent)
-    torch_threads: int | None = None  # the intra-op threads it was given, if any
 
 
 class Cluster:
@@ -544,8 +543,7 @@ class Cluster:
                  for name, n in counts.items()}
         for name, call in calls.items():
             try:
-                self.workers[name].torch_threads = call.get(
-                    max(1.0, deadline - time.monotonic()))
+                call.get(max(1.0, deadline - time.monotonic()))
             except Exception as e:  # noqa: BLE001 - it runs, with torch's default threads
                 log.warning("nbrpc cluster: could not set torch's threads in %r (it keeps "
                             "torch's default, one per CPU): %s: %s", name, type(e).__name__, e)

@@ -41,6 +41,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..transport import local
+
 log = logging.getLogger(__name__)
 
 AUTO = "auto"
@@ -81,8 +83,7 @@ def cpu_share() -> CpuShare:
     except (AttributeError, OSError):  # (not Linux)
         cpus = list(range(os.cpu_count() or 1))
     try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            machine = f.read().strip()
+        machine = local.boot_id()
     except OSError:
         machine = f"unknown-{os.getpid()}"  # never assume a shared machine
     digest = hashlib.blake2b(f"{machine}:{cpus}".encode(), digest_size=8).hexdigest()

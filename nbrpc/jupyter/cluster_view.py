@@ -203,7 +203,7 @@ def _details(w: WorkerStatus, rate: float | None) -> str:
               ("bytes owned", fmt_bytes(w.owned_bytes)), ("messages", f"{w.messages:,}"),
               ("messages/s", _rate(rate)), ("bytes moved", fmt_bytes(w.bytes_moved))]
     if w.torch_threads:
-        fields.append(("torch threads", w.torch_threads))
+        fields.append(("torch.get_num_threads()", w.torch_threads))
     if w.device:
         fields.append(("device", w.device))
     if w.device_bytes:

@@ -40,12 +40,18 @@ PREFIX = "nbrpc-ipc-"
 SWEEP_MAX = 20_000  # directory entries looked at per sweep (by name; few are stat-ed)
 
 
+def boot_id() -> str:
+    """This machine's boot (Linux's ``boot_id``): equal in every process of
+    one running kernel, whatever their namespaces. Raises OSError off Linux."""
+    with open("/proc/sys/kernel/random/boot_id") as f:
+        return f.read().strip()
+
+
 @lru_cache(maxsize=1)
 def _identity(pid: int, euid: int) -> str:
     parts = []
     try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            parts.append(f.read().strip())
+        parts.append(boot_id())
         for ns in ("net", "mnt"):
             parts.append(str(os.stat(f"/proc/self/ns/{ns}").st_ino))
     except OSError:  # not Linux, or no /proc: never assume a shared host
