@@ -149,3 +149,23 @@ def train_steps(steps: int, n: int, seed: int) -> tuple[int, float, int]:
         torch.nn.functional.mse_loss(model(x), y).backward()
         opt.step()
     return steps, time.perf_counter() - t0, torch.get_num_threads()
+
+
+def numpy_steps(steps: int, n: int, seed: int) -> tuple[int, float, int]:
+    """``steps`` layers of a numpy policy, ``x = tanh(x @ W)`` with ``n x n``
+    float32 matrices (RL observers' or a data pipeline's numpy), here: (steps,
+    seconds they took, threads of numpy's BLAS library here)."""
+    import time
+
+    import numpy as np
+    from threadpoolctl import threadpool_info
+
+    rng = np.random.default_rng(seed)
+    w = (rng.standard_normal((n, n)) / np.sqrt(n)).astype(np.float32)
+    x = rng.standard_normal((n, n)).astype(np.float32)
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        x = np.tanh(x @ w)
+    seconds = time.perf_counter() - t0
+    blas = [lib["num_threads"] for lib in threadpool_info() if lib["user_api"] == "blas"]
+    return steps, seconds, blas[0] if blas else 0

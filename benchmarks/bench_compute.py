@@ -1,18 +1,26 @@
-"""Workers that compute at once on one host: torch's threads per worker.
+"""Workers that compute at once on one host: torch's and BLAS's threads per worker.
 
 Run it with ``.venv/bin/python benchmarks/bench_compute.py``; ``--quick`` is a
 smoke test, ``--markdown`` prints the table as Markdown, ``--workers 2,4``
-chooses the group sizes.
+chooses the group sizes, ``--work torch,numpy`` the workloads.
 
 Each case starts ``W`` workers on this host and, once all are ready, has the
-driver call ``_targets.train_steps`` on every worker at once (``rpc_async``
-to each, then waiting for all): ``steps`` SGD steps of a two-layer
-``Linear(256, 256)`` model on a batch of 256, the shape of a parameter
-server's trainers or of RL observers. Timed from the first call to the last
-answer (after one untimed round); the figure is the steps of all workers per
-second. Then the same with ``worker1`` alone computing while the others idle
-(a pipeline's stages, or one trainer): what dividing the CPUs costs a worker
-that could have had them all.
+driver call the workload on every worker at once (``rpc_async`` to each, then
+waiting for all). Timed from the first call to the last answer (after one
+untimed round); the figure is the steps of all workers per second. Then the
+same with ``worker1`` alone computing while the others idle (a pipeline's
+stages, or one trainer): what dividing the CPUs costs a worker that could have
+had them all. The workloads:
+
+``torch``
+    ``_targets.train_steps``: SGD steps of a two-layer ``Linear(256, 256)``
+    model on a batch of 256, the shape of a parameter server's trainers.
+``numpy``
+    ``_targets.numpy_steps``: ``x = tanh(x @ W)`` with 128 x 128 float32
+    numpy matrices, numpy's BLAS (OpenBLAS in its wheels) doing the product:
+    RL observers' or a data pipeline's numpy.
+
+The cases:
 
 ``torch``
     ``torch.distributed.rpc`` (TensorPipe, default options): ``W`` workers and
@@ -20,8 +28,8 @@ that could have had them all.
     torch's default threads (one per CPU).
 ``nbrpc-auto``
     ``nbrpc.Cluster(progress=False).start(W)``: the default
-    ``torch_threads="auto"`` divides the CPUs among the workers that share them
-    (:mod:`nbrpc.cluster.threads`).
+    ``torch_threads="auto"`` divides the CPUs among the workers that share them,
+    torch's threads and numpy's BLAS threads alike (:mod:`nbrpc.cluster.threads`).
 ``nbrpc-default``
     The same with ``Cluster(torch_threads=None)``: torch's default in every
     worker, as in the ``torch`` case.
@@ -50,14 +58,19 @@ from bench_cluster import render  # benchmarks/ is on sys.path
 from bench_rpc import free_port
 
 HERE = Path(__file__).resolve().parent
-N = 256  # the model's width and the batch
 CASES = ("torch", "nbrpc-auto", "nbrpc-default")
+# workload: (function of _targets, matrix size, default steps, what a step is)
+WORK = {"torch": ("train_steps", 256, 300,
+                  "SGD steps of Linear(256, 256) + ReLU + Linear(256, 256), batch 256"),
+        "numpy": ("numpy_steps", 128, 3000, "numpy steps x = tanh(x @ W), 128 x 128 float32")}
 
 
-def one_round(rpc: Any, workers: list[str], steps: int, timeout: float) -> tuple[float, list]:
-    """Every worker's ``train_steps`` at once: (seconds, their answers)."""
+def one_round(rpc: Any, workers: list[str], work: str, steps: int,
+              timeout: float) -> tuple[float, list]:
+    """Every worker's ``work`` at once: (seconds, their answers)."""
+    fn, n = getattr(_targets, WORK[work][0]), WORK[work][1]
     t0 = time.perf_counter()
-    futs = [rpc.rpc_async(w, _targets.train_steps, args=(steps, N, i), timeout=timeout)
+    futs = [rpc.rpc_async(w, fn, args=(steps, n, i), timeout=timeout)
             for i, w in enumerate(workers)]
     answers = [f.wait() for f in futs]
     return time.perf_counter() - t0, answers
@@ -68,23 +81,28 @@ def record(seconds: float, answers: list, steps: int) -> dict[str, float]:
             "threads": statistics.median(a[2] for a in answers)}
 
 
-def measure(rpc: Any, workers: list[str], steps: int, timeout: float) -> dict[str, dict]:
-    """All workers at once, then ``workers[0]`` alone (each after a warm-up round)."""
+def measure(rpc: Any, workers: list[str], steps: dict[str, int],
+            timeout: float) -> dict[str, dict]:
+    """Each workload: all workers at once, then ``workers[0]`` alone (each
+    after a warm-up round); keyed ``"<work> all"``, ``"<work> alone"``."""
     out = {}
-    for key, group in (("all", workers), ("alone", workers[:1])):
-        one_round(rpc, group, max(1, steps // 10), timeout)
-        out[key] = record(*one_round(rpc, group, steps, timeout), steps)
+    for work, n_steps in steps.items():
+        for key, group in (("all", workers), ("alone", workers[:1])):
+            one_round(rpc, group, work, max(1, n_steps // 10), timeout)
+            out[f"{work} {key}"] = record(*one_round(rpc, group, work, n_steps, timeout),
+                                          n_steps)
     return out
 
 
-def run_nbrpc(n_workers: int, steps: int, setting: str | None, timeout: float) -> dict:
+def run_nbrpc(n_workers: int, steps: dict[str, int], setting: str | None,
+              timeout: float) -> dict:
     from nbrpc import Cluster, rpc
 
     with Cluster(progress=False, torch_threads=setting, timeout=timeout).start(n_workers) as c:
         return measure(rpc, c.names, steps, timeout)
 
 
-def _torch_process(rank: int, world: int, port: int, steps: int, out: str,
+def _torch_process(rank: int, world: int, port: int, steps: dict[str, int], out: str,
                    timeout: float) -> None:
     warnings.filterwarnings("ignore", message="You are using a Backend", category=UserWarning)
     import torch.distributed.rpc as rpc
@@ -99,7 +117,7 @@ def _torch_process(rank: int, world: int, port: int, steps: int, out: str,
     rpc.shutdown(graceful=True, timeout=timeout)
 
 
-def run_torch(n_workers: int, steps: int, timeout: float) -> dict:
+def run_torch(n_workers: int, steps: dict[str, int], timeout: float) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "result.json")
         ctx = mp.start_processes(_torch_process, nprocs=n_workers + 1, join=False,
@@ -114,7 +132,7 @@ def run_torch(n_workers: int, steps: int, timeout: float) -> dict:
         return json.loads(Path(out).read_text())
 
 
-def run_case(case: str, n_workers: int, steps: int, timeout: float) -> dict:
+def run_case(case: str, n_workers: int, steps: dict[str, int], timeout: float) -> dict:
     if case == "torch":
         return run_torch(n_workers, steps, timeout)
     return run_nbrpc(n_workers, steps, "auto" if case == "nbrpc-auto" else None, timeout)
@@ -126,11 +144,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--markdown", action="store_true", help="print the table as Markdown")
     ap.add_argument("--repeat", type=int, default=None, help="alternating runs (default 3)")
     ap.add_argument("--workers", default="2,4", help="comma list of group sizes")
-    ap.add_argument("--steps", type=int, default=None, help="steps per worker (default 300)")
+    ap.add_argument("--work", default="torch,numpy", help="comma list of workloads: "
+                    + ", ".join(WORK))
+    ap.add_argument("--steps", type=int, default=None,
+                    help="steps per worker (default 300 torch, 3000 numpy)")
     ap.add_argument("--timeout", type=float, default=120.0, help="seconds, per case")
     args = ap.parse_args(argv)
     repeat = args.repeat or (1 if args.quick else 3)
-    steps = args.steps or (20 if args.quick else 300)
+    works = args.work.split(",")
+    if unknown := set(works) - set(WORK):
+        ap.error(f"unknown --work {sorted(unknown)}: choose from {', '.join(WORK)}")
+    steps = {w: args.steps or WORK[w][2] // (15 if args.quick else 1) for w in works}
     sizes = [int(w) for w in args.workers.split(",")]
     # the workers import _targets by name, as a real job's module (both libraries)
     os.environ["PYTHONPATH"] = os.pathsep.join(
@@ -145,19 +169,21 @@ def main(argv: list[str] | None = None) -> int:
                     run_case(case, w, steps, args.timeout))
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     print(f"torch {torch.__version__}, Python {platform.python_version()}, {cpus} CPUs; "
-          f"{steps} SGD steps of Linear({N}, {N}) + ReLU + Linear({N}, {N}), batch {N}, "
-          f"on every worker at once; median of {repeat} alternating run(s)")
-    head = ["workers", "computing", "case", "torch threads per worker", "steps/s, together",
-            "over torch"]
+          f"median of {repeat} alternating run(s); per worker: "
+          + "; ".join(f"{work}: {steps[work]} {WORK[work][3]}" for work in works))
+    head = ["work", "workers", "computing", "case", "threads per worker (torch's or BLAS's)",
+            "steps/s, together", "over torch"]
     rows = []
-    for w in sizes:
-        for key, what in (("all", "all"), ("alone", "worker1 alone")):
-            base = statistics.median(r[key]["steps_per_s"] for r in runs[(w, "torch")])
-            for case in CASES:
-                rate = statistics.median(r[key]["steps_per_s"] for r in runs[(w, case)])
-                threads = statistics.median(r[key]["threads"] for r in runs[(w, case)])
-                rows.append([str(w), what, case, f"{threads:g}", f"{rate:,.0f}",
-                             f"{rate / base:.2f}x"])
+    for work in works:
+        for w in sizes:
+            for part, what in (("all", "all"), ("alone", "worker1 alone")):
+                key = f"{work} {part}"
+                base = statistics.median(r[key]["steps_per_s"] for r in runs[(w, "torch")])
+                for case in CASES:
+                    rate = statistics.median(r[key]["steps_per_s"] for r in runs[(w, case)])
+                    threads = statistics.median(r[key]["threads"] for r in runs[(w, case)])
+                    rows.append([work, str(w), what, case, f"{threads:g}", f"{rate:,.0f}",
+                                 f"{rate / base:.2f}x"])
     print(render(rows, args.markdown, head))
     return 0
 

@@ -42,7 +42,7 @@ import torch
 from conftest import poll_for, poll_or_fail
 
 from nbrpc import rpc
-from nbrpc.cluster import Cluster, ClusterStatus, relay
+from nbrpc.cluster import Cluster, ClusterStatus, relay, threads
 from nbrpc.errors import NbrpcError, RpcTimeoutError, WorkerGoneError
 
 pytestmark = pytest.mark.cluster
@@ -215,15 +215,22 @@ def test_status_counts_owned_bytes_and_messages(cluster: Cluster) -> None:
     assert poll_for(lambda: cluster.status()["worker1"].owned_rrefs == w1_before.owned_rrefs, 5)
 
 
-# -- shared cluster: torch's threads --------------------------------------------
+# -- shared cluster: torch's and BLAS's threads ------------------------------------
 def _cpus_each(workers: int) -> int:
     """What ``torch_threads="auto"`` gives each of ``workers`` engines on this host."""
     return max(1, len(os.sched_getaffinity(0)) // workers)
 
 
-def test_workers_divide_the_hosts_cpus_among_their_torch_threads(cluster: Cluster) -> None:
+def _blas_at(expected: int, blas: str) -> bool:
+    """Whether every BLAS library in ``blas`` (``threads.blas_threads()``) has ``expected`` threads."""
+    return bool(blas) and all(part.endswith(f" {expected}") for part in blas.split(", "))
+
+
+def test_workers_divide_the_hosts_cpus_among_their_torch_and_blas_threads(
+        cluster: Cluster) -> None:
     """Two workers on this host: each gets half its CPUs (at least one), on the
-    threads that serve calls (a channel's, the pool's) and on the engine's own."""
+    threads that serve calls (a channel's, the pool's) and on the engine's own,
+    and in numpy's BLAS library (one pool for the process)."""
     if os.environ.get("OMP_NUM_THREADS"):
         pytest.skip("OMP_NUM_THREADS is set here: the engines keep it")
     each = _cpus_each(2)
@@ -235,6 +242,9 @@ def test_workers_divide_the_hosts_cpus_among_their_torch_threads(cluster: Cluste
         omp_env = rpc.rpc_sync(name, lambda: os.environ.get("OMP_NUM_THREADS"))
         assert omp_env == str(each)  # for the processes it starts
         assert cluster.status()[name].torch_threads == each
+        blas = rpc.rpc_sync(name, threads.blas_threads)
+        assert _blas_at(each, blas), blas
+        assert cluster.status()[name].blas_threads == blas
     assert cluster.status()["driver"].torch_threads == torch.get_num_threads()  # untouched
 
 
@@ -330,6 +340,7 @@ def test_killed_engine_is_reported_and_restarted(cluster: Cluster) -> None:
     assert str(_wait_all_ready(cluster)).endswith("2     worker2  ready")
     if not os.environ.get("OMP_NUM_THREADS"):  # the new engine gets its share too
         assert rpc.rpc_sync("worker2", torch.get_num_threads) == _cpus_each(2)
+        assert _blas_at(_cpus_each(2), rpc.rpc_sync("worker2", threads.blas_threads))
 
 
 # -- shared cluster: add and remove -------------------------------------------
@@ -341,6 +352,7 @@ def test_add_then_remove_a_worker(cluster: Cluster, caplog: pytest.LogCaptureFix
     assert rpc.rpc_sync("worker3", torch.add, args=(torch.ones(2), 2)).tolist() == [3.0, 3.0]
     if not os.environ.get("OMP_NUM_THREADS"):  # a third of the CPUs (the others keep theirs)
         assert rpc.rpc_sync("worker3", torch.get_num_threads) == _cpus_each(3)
+        assert _blas_at(_cpus_each(3), rpc.rpc_sync("worker3", threads.blas_threads))
         assert rpc.rpc_sync("worker1", torch.get_num_threads) == _cpus_each(2)
     procs = list(cluster.workers["worker3"].procs)
     assert [p.pid for p in procs] == [pid]

@@ -143,6 +143,14 @@ def test_a_workers_details_give_its_torch_threads_where_known() -> None:
     assert "torch.get_num_threads()" not in headers(cluster_html(s))  # the details only: no column
 
 
+def test_a_workers_details_give_its_blas_threads_where_known() -> None:
+    s = status()
+    s["worker1"].blas_threads = "openblas 1"
+    assert ("<td>BLAS threads (threadpoolctl)</td><td>openblas 1</td>"
+            in cluster_view._details(s["worker1"], None))
+    assert "BLAS threads" not in cluster_view._details(s["worker2"], None)  # ("": not known)
+
+
 def headers(page: str) -> list[str]:
     return re.findall(r"<th(?=[ >])[^>]*>([^<]*)</th>", page)
 

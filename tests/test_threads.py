@@ -1,13 +1,15 @@
-"""Torch's threads per cluster worker (nbrpc.cluster.threads) with no engines:
-the plan from each worker's CPUs, the option's checks, what a worker reports.
+"""Torch's and BLAS's threads per cluster worker (nbrpc.cluster.threads) with
+no engines: the plan from each worker's CPUs, the option's checks, what a worker reports.
 On real engines: tests/test_cluster.py (marked ``cluster``)."""
 
 from __future__ import annotations
 
 import os
 
+import numpy  # noqa: F401 - its BLAS library is what apply() sets (torch loads it too)
 import pytest
 import torch
+from threadpoolctl import ThreadpoolController
 
 from nbrpc.cluster import Cluster, threads
 from nbrpc.cluster.engine import describe
@@ -57,3 +59,44 @@ def test_apply_sets_torch_and_the_environment_of_processes_started_later(
 
 def test_a_workers_status_reports_its_torch_threads() -> None:
     assert describe(None)["torch_threads"] == torch.get_num_threads()
+
+
+@pytest.fixture()
+def blas_at_two(monkeypatch: pytest.MonkeyPatch):
+    """numpy's BLAS libraries at 2 threads for the test, and back as they were after it."""
+    for var in ("OMP_NUM_THREADS", *threads.BLAS_ENV["openblas"], "MKL_NUM_THREADS"):
+        monkeypatch.setenv(var, "7")  # (so that the test's end restores it)
+        monkeypatch.delenv(var)
+    ctl = ThreadpoolController().select(user_api="blas")
+    if not ctl.lib_controllers:
+        pytest.skip("numpy here has no BLAS library threadpoolctl knows")
+    before = [lib.num_threads for lib in ctl.lib_controllers]
+    torch_before = torch.get_num_threads()
+    for lib in ctl.lib_controllers:
+        lib.set_num_threads(2)
+    assert threads.blas_threads().endswith(" 2")
+    yield
+    torch.set_num_threads(torch_before)
+    for lib, n in zip(ctl.lib_controllers, before):
+        lib.set_num_threads(n)
+
+
+@pytest.mark.usefixtures("blas_at_two")
+def test_apply_sets_numpys_blas_threads_too() -> None:
+    threads.apply(1)
+    apis = [part.split()[0] for part in threads.blas_threads().split(", ")]
+    assert threads.blas_threads() == ", ".join(f"{api} 1" for api in apis)
+
+
+@pytest.mark.usefixtures("blas_at_two")
+def test_a_blas_library_whose_own_variable_is_set_keeps_its_threads(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    for var in ("OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "BLIS_NUM_THREADS"):
+        monkeypatch.setenv(var, "2")
+    threads.apply(1)
+    assert torch.get_num_threads() == 1
+    assert threads.blas_threads().endswith(" 2") and " 1" not in threads.blas_threads()
+
+
+def test_a_workers_status_reports_its_blas_threads() -> None:
+    assert describe(None)["blas_threads"] == threads.blas_threads() != ""

@@ -7,7 +7,7 @@
 # .gpu-wheels/ (git-ignored) holds cp312 wheels of those dependencies, downloaded where
 # the package index is reachable:
 #   pip download --only-binary=:all: --python-version 3.12 -d .gpu-wheels \
-#       pyzmq cloudpickle ipyparallel ipywidgets anywidget psutil numpy \
+#       pyzmq cloudpickle ipyparallel ipywidgets anywidget psutil numpy threadpoolctl \
 #       pytest pytest-timeout pytest-rerunfailures expecttest ipython
 # They go into a private directory (never into the machine's Python), then
 # tools/test_gpu.sh (what `make test-gpu` runs; no `make` needed) runs the cuda

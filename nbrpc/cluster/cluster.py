@@ -96,11 +96,11 @@ class Cluster:
     takes them); ``gpus=True`` gives each worker one of its host's GPUs, round
     robin, and maps every pair of members device to device (the driver on
     cuda:0, or the CPU): see :mod:`nbrpc.cluster.gpus`.
-    ``torch_threads``: torch's intra-op threads in each worker (``"auto"``: the
-    CPUs a worker may run on, divided among the workers that share them, as
-    ``torchrun`` keeps several processes on a host from each using every CPU; an
-    int: that many; None: torch's default, one per CPU): see
-    :mod:`nbrpc.cluster.threads`.
+    ``torch_threads``: torch's intra-op threads in each worker, and its BLAS
+    libraries' (numpy's) (``"auto"``: the CPUs a worker may run on, divided
+    among the workers that share them, as ``torchrun`` keeps several processes
+    on a host from each using every CPU; an int: that many; None: the
+    libraries' default, one per CPU): see :mod:`nbrpc.cluster.threads`.
     ``controller_max_message``: the largest ZeroMQ frame (bytes) ipyparallel's
     controller accepts (64 MiB): a peer that reaches its ports makes it hold
     no more than that per connection (ipyparallel has no handshake of its
@@ -549,7 +549,7 @@ class Cluster:
                             "torch's default, one per CPU): %s: %s", name, type(e).__name__, e)
         if counts and self.torch_threads == threads_.AUTO:
             given = sorted({(n, shares[name].cpus) for name, n in counts.items()})
-            log.info("nbrpc cluster: torch threads per worker (CPUs it may run on): %s, so "
+            log.info("nbrpc cluster: torch and BLAS threads per worker (CPUs it may run on): %s, so "
                      "that workers on one host do not each use every CPU "
                      "(Cluster(torch_threads=None) keeps torch's default)",
                      ", ".join(f"{n} ({cpus})" for n, cpus in given))

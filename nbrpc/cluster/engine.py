@@ -109,6 +109,7 @@ def describe(agent: Agent | None) -> dict[str, Any]:
         # the pool's threads and those serving callers' own channels
         "threads": counters.get("threads", 0) + counters.get("channels", 0),
         "torch_threads": torch.get_num_threads(),  # (as the calling thread runs operators)
+        "blas_threads": threads.blas_threads(),
         "busy_threads": counters.get("busy_threads", 0) + counters.get("channels_busy", 0),
         "in_flight": counters.get("in_flight", 0),
         "owned_rrefs": len(owned),

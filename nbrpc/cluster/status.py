@@ -36,6 +36,7 @@ class WorkerStatus:
     device: str = ""  # its own device in a cluster with gpus=True ("cuda:1", "cpu")
     device_bytes: int = 0  # bytes of the values it owns that are off its CPU (on GPUs)
     torch_threads: int = 0  # torch's intra-op threads, as its calls run them (0: not known)
+    blas_threads: str = ""  # its BLAS libraries' threads, e.g. "openblas 1" ("": none or not known)
 
 
 @dataclass
@@ -101,7 +102,8 @@ class ClusterStatus:
 def fill_row(row: WorkerStatus, info: dict[str, Any]) -> WorkerStatus:
     """Copy a probe's counters into a status row (pid and host too, when given)."""
     for key in ("busy_threads", "in_flight", "owned_rrefs", "owned_bytes", "device_bytes",
-                "messages", "bytes_moved", "pid", "host", "torch_threads"):
+                "messages", "bytes_moved", "pid", "host", "torch_threads",
+                "blas_threads"):
         if info.get(key) is not None:
             setattr(row, key, info[key])
     return row

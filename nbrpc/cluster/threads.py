@@ -28,6 +28,17 @@ the worker (its pool, the threads serving callers' channels) uses it too. The
 workers already running when more are added keep theirs. The cost: a worker
 computing alone while the others idle has fewer threads than it could have had
 (347 steps/s instead of 676 in the same benchmark).
+
+numpy's BLAS (OpenBLAS in its wheels; MKL or BLIS in other builds) keeps a
+thread pool of its own, one thread per CPU, made when ``import torch`` loads
+numpy, before a worker is given its count: four workers each running
+``x = tanh(x @ W)`` on 128 x 128 numpy matrices at once made 1,732 steps/s
+between them with that default and 36,562 with one BLAS thread each
+(``bench_compute.py``; a worker alone lost nothing here). So :func:`apply` sets the same count for
+the BLAS libraries loaded in the worker, through ``threadpoolctl`` (the
+library scikit-learn and joblib use for it); one whose own variable is set in
+the worker's environment (``OPENBLAS_NUM_THREADS``, ``MKL_NUM_THREADS``, ...)
+keeps what it chose.
 """
 
 from __future__ import annotations
@@ -111,10 +122,39 @@ def plan(setting: int | str | None, shares: Mapping[str, CpuShare]) -> dict[str,
             for name, s in shares.items() if s.omp_env is None}
 
 
+# The variables that set each BLAS library's threads when it loads (threadpoolctl's
+# ``internal_api`` names): a library one of them is set for keeps that count.
+BLAS_ENV = {"openblas": ("OPENBLAS_NUM_THREADS", "GOTO_NUM_THREADS"),
+            "mkl": ("MKL_NUM_THREADS",), "blis": ("BLIS_NUM_THREADS",),
+            "flexiblas": ("FLEXIBLAS_NUM_THREADS",)}
+
+
 def apply(n: int) -> int:
     """Use ``n`` intra-op threads in this process from now on (run on a
-    worker's engine, on its main thread), and in the processes it starts
-    (``OMP_NUM_THREADS``, as ``torchrun`` sets it). Returns torch's count."""
+    worker's engine, on its main thread): torch's, and those of the BLAS
+    libraries loaded here (numpy's) whose own variable is not set; and in the
+    processes it starts (``OMP_NUM_THREADS``, as ``torchrun`` sets it).
+    Returns torch's count."""
+    from threadpoolctl import ThreadpoolController
+
     torch.set_num_threads(n)
     os.environ["OMP_NUM_THREADS"] = str(n)
+    for lib in ThreadpoolController().select(user_api="blas").lib_controllers:
+        if not any(os.environ.get(v) for v in BLAS_ENV.get(lib.internal_api, ())):
+            lib.set_num_threads(n)
     return torch.get_num_threads()
+
+
+def blas_threads() -> str:
+    """The BLAS libraries loaded in this process and their threads, as the
+    status of a worker shows them ("" where none is loaded).
+
+    >>> import numpy  # (torch loads it too)
+    >>> api, n = blas_threads().split(", ")[0].split()  # e.g. 'openblas 2'
+    >>> api in BLAS_ENV and int(n) >= 1
+    True
+    """
+    from threadpoolctl import threadpool_info
+
+    return ", ".join(f"{lib['internal_api']} {lib['num_threads']}"
+                     for lib in threadpool_info() if lib["user_api"] == "blas")

@@ -204,6 +204,8 @@ def _details(w: WorkerStatus, rate: float | None) -> str:
               ("messages/s", _rate(rate)), ("bytes moved", fmt_bytes(w.bytes_moved))]
     if w.torch_threads:
         fields.append(("torch.get_num_threads()", w.torch_threads))
+    if w.blas_threads:
+        fields.append(("BLAS threads (threadpoolctl)", w.blas_threads))
     if w.device:
         fields.append(("device", w.device))
     if w.device_bytes:

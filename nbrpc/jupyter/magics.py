@@ -94,9 +94,10 @@ def _cluster_parser() -> _Parser:
     s.add_argument("--threads", type=_positive_int, default=16,
                    help="worker threads per agent (default 16)")
     s.add_argument("--torch-threads", type=_torch_threads, default="auto",
-                   help="torch's intra-op threads per worker: auto (default: the CPUs a "
-                        "worker may run on, divided among the workers that share them), a "
-                        "number, or none (torch's default: one per CPU in every worker)")
+                   help="torch's intra-op threads per worker, and numpy's BLAS threads: "
+                        "auto (default: the CPUs a worker may run on, divided among the "
+                        "workers that share them), a number, or none (the libraries' "
+                        "default: one per CPU in every worker)")
     s.add_argument("--timeout", type=_positive_float, default=60.0,
                    help="seconds to wait for the workers (default 60)")
     s.add_argument("--rpc-timeout", type=_positive_float, default=60.0,
