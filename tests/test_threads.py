@@ -5,6 +5,7 @@ On real engines: tests/test_cluster.py (marked ``cluster``)."""
 from __future__ import annotations
 
 import os
+import threading
 
 import numpy  # noqa: F401 - its BLAS library is what apply() sets (torch loads it too)
 import pytest
@@ -79,6 +80,7 @@ def blas_at_two(monkeypatch: pytest.MonkeyPatch):
     torch.set_num_threads(torch_before)
     for lib, n in zip(ctl.lib_controllers, before):
         lib.set_num_threads(n)
+        getattr(lib, "clear_controlling_thread", lambda: None)()  # (threadpoolctl >= 3.8)
 
 
 @pytest.mark.usefixtures("blas_at_two")
@@ -86,6 +88,19 @@ def test_apply_sets_numpys_blas_threads_too() -> None:
     threads.apply(1)
     apis = [part.split()[0] for part in threads.blas_threads().split(", ")]
     assert threads.blas_threads() == ", ".join(f"{api} 1" for api in apis)
+
+
+@pytest.mark.usefixtures("blas_at_two")
+def test_after_apply_the_users_own_limits_still_work_on_other_threads() -> None:
+    """(threadpoolctl 3.8 lets only the first thread that set OpenBLAS's pool set it
+    again: apply() must not keep that role for the engine's main thread.)"""
+    threads.apply(1)
+    other = threading.Thread(target=lambda: [
+        lib.set_num_threads(2)
+        for lib in ThreadpoolController().select(user_api="blas").lib_controllers])
+    other.start()
+    other.join(10)
+    assert threads.blas_threads().endswith(" 2") and " 1" not in threads.blas_threads()
 
 
 @pytest.mark.usefixtures("blas_at_two")

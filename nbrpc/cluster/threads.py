@@ -142,6 +142,10 @@ def apply(n: int) -> int:
     for lib in ThreadpoolController().select(user_api="blas").lib_controllers:
         if not any(os.environ.get(v) for v in BLAS_ENV.get(lib.internal_api, ())):
             lib.set_num_threads(n)
+            # threadpoolctl >= 3.8 lets one thread at a time set OpenBLAS's shared pool,
+            # the first that does: give it up, or the user's own limits (scikit-learn's,
+            # on the threads that serve calls) would silently do nothing in this worker
+            getattr(lib, "clear_controlling_thread", lambda: None)()
     return torch.get_num_threads()
 
 
