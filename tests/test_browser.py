@@ -380,9 +380,11 @@ def test_b_tutorial_07_find_the_leaks_in_the_graph(lab, page, shots, opened) -> 
     shots(nb, cluster, "cluster_wide")
     problems = readable(nb, shots, {"cluster": cluster, "rref_graph": graph,
                                     "owner_map": owners})
-    # a worker's row opens its details, torch's threads among them (none of the README's)
+    # a worker's row opens its details, torch's and BLAS's threads among them (none of
+    # the README's)
     cluster.locator('tr[data-key="worker:worker1"]').click()
     wait_text(cluster.locator(".nbrpc-panel"), "torch.get_num_threads()", timeout=30)
+    wait_text(cluster.locator(".nbrpc-panel"), "BLAS threads (threadpoolctl)", timeout=5)
     for name, found in readable(nb, shots, {"cluster_details": cluster}, readme=False).items():
         problems.setdefault(name, []).extend(found)
 
