@@ -545,8 +545,9 @@ class Cluster:
             try:
                 call.get(max(1.0, deadline - time.monotonic()))
             except Exception as e:  # noqa: BLE001 - it runs, with torch's default threads
-                log.warning("nbrpc cluster: could not set torch's threads in %r (it keeps "
-                            "torch's default, one per CPU): %s: %s", name, type(e).__name__, e)
+                log.warning("nbrpc cluster: could not set torch's and BLAS's threads in %r "
+                            "(it keeps their default, one per CPU): %s: %s", name,
+                            type(e).__name__, e)
         if counts and self.torch_threads == threads_.AUTO:
             given = sorted({(n, shares[name].cpus) for name, n in counts.items()})
             log.info("nbrpc cluster: torch and BLAS threads per worker (CPUs it may run on): %s, so "

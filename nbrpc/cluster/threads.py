@@ -34,11 +34,11 @@ thread pool of its own, one thread per CPU, made when ``import torch`` loads
 numpy, before a worker is given its count: four workers each running
 ``x = tanh(x @ W)`` on 128 x 128 numpy matrices at once made 1,732 steps/s
 between them with that default and 36,562 with one BLAS thread each
-(``bench_compute.py``; a worker alone lost nothing here). So :func:`apply` sets the same count for
-the BLAS libraries loaded in the worker, through ``threadpoolctl`` (the
-library scikit-learn and joblib use for it); one whose own variable is set in
-the worker's environment (``OPENBLAS_NUM_THREADS``, ``MKL_NUM_THREADS``, ...)
-keeps what it chose.
+(``bench_compute.py``; a worker alone lost nothing here). So :func:`apply`
+sets the same count for the BLAS libraries loaded in the worker, through
+``threadpoolctl`` (the library scikit-learn and joblib use for it); one whose
+own variable is set in the worker's environment (``OPENBLAS_NUM_THREADS``,
+``MKL_NUM_THREADS``, ...) keeps what it chose.
 """
 
 from __future__ import annotations
