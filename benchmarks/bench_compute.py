@@ -49,7 +49,7 @@ import tempfile
 import time
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import _targets
 import torch
@@ -59,16 +59,25 @@ from bench_rpc import free_port
 
 HERE = Path(__file__).resolve().parent
 CASES = ("torch", "nbrpc-auto", "nbrpc-default")
-# workload: (function of _targets, matrix size, default steps, what a step is)
-WORK = {"torch": ("train_steps", 256, 300,
-                  "SGD steps of Linear(256, 256) + ReLU + Linear(256, 256), batch 256"),
-        "numpy": ("numpy_steps", 128, 3000, "numpy steps x = tanh(x @ W), 128 x 128 float32")}
+class Work(NamedTuple):
+    """A workload: a function of ``_targets``, ``fn(steps, n, seed)``."""
+
+    fn: str
+    n: int  # the matrices' size
+    steps: int  # per worker, by default
+    what: str  # what a step is, for the table's header
+
+
+WORK = {"torch": Work("train_steps", 256, 300,
+                      "SGD steps of Linear(256, 256) + ReLU + Linear(256, 256), batch 256"),
+        "numpy": Work("numpy_steps", 128, 3000,
+                      "numpy steps x = tanh(x @ W), 128 x 128 float32")}
 
 
 def one_round(rpc: Any, workers: list[str], work: str, steps: int,
               timeout: float) -> tuple[float, list]:
     """Every worker's ``work`` at once: (seconds, their answers)."""
-    fn, n = getattr(_targets, WORK[work][0]), WORK[work][1]
+    fn, n = getattr(_targets, WORK[work].fn), WORK[work].n
     t0 = time.perf_counter()
     futs = [rpc.rpc_async(w, fn, args=(steps, n, i), timeout=timeout)
             for i, w in enumerate(workers)]
@@ -154,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     works = args.work.split(",")
     if unknown := set(works) - set(WORK):
         ap.error(f"unknown --work {sorted(unknown)}: choose from {', '.join(WORK)}")
-    steps = {w: args.steps or WORK[w][2] // (15 if args.quick else 1) for w in works}
+    steps = {w: args.steps or WORK[w].steps // (15 if args.quick else 1) for w in works}
     sizes = [int(w) for w in args.workers.split(",")]
     # the workers import _targets by name, as a real job's module (both libraries)
     os.environ["PYTHONPATH"] = os.pathsep.join(
@@ -170,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     print(f"torch {torch.__version__}, Python {platform.python_version()}, {cpus} CPUs; "
           f"median of {repeat} alternating run(s); per worker: "
-          + "; ".join(f"{work}: {steps[work]} {WORK[work][3]}" for work in works))
+          + "; ".join(f"{work}: {steps[work]} {WORK[work].what}" for work in works))
     head = ["work", "workers", "computing", "case", "threads per worker (torch's or BLAS's)",
             "steps/s, together", "over torch"]
     rows = []

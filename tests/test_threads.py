@@ -115,3 +115,23 @@ def test_a_blas_library_whose_own_variable_is_set_keeps_its_threads(
 
 def test_a_workers_status_reports_its_blas_threads() -> None:
     assert describe(None)["blas_threads"] == threads.blas_threads() != ""
+
+
+def test_the_blas_libraries_are_looked_for_again_only_after_an_import(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """(Looking walks every loaded library, 0.8 ms; a live view's probes read the
+    counts twice a second.)"""
+    import sys
+    import types
+
+    import threadpoolctl
+
+    looks = []
+    init = threadpoolctl.ThreadpoolController.__init__
+    monkeypatch.setattr(threadpoolctl.ThreadpoolController, "__init__",
+                        lambda self: looks.append(1) or init(self))
+    monkeypatch.setattr(threads, "_blas", (-1, []))
+    first = threads.blas_threads()
+    assert threads.blas_threads() == first and len(looks) == 1  # (nothing imported since)
+    monkeypatch.setitem(sys.modules, "an_extension_just_imported", types.ModuleType("x"))
+    assert threads.blas_threads() == first and len(looks) == 2

@@ -533,8 +533,9 @@ class Cluster:
 
     def _set_torch_threads(self, names: list[str], client: Any, deadline: float) -> None:
         """Give the workers ``names``, just started, their share of their CPUs
-        (``torch_threads``, see :mod:`nbrpc.cluster.threads`), on their engines'
-        main threads, before they serve any call."""
+        for torch's and their BLAS libraries' threads (``torch_threads``, see
+        :mod:`nbrpc.cluster.threads`), on their engines' main threads, before
+        they serve any call."""
         shares = {w.name: w.cpu_share for w in self.workers.values()
                   if w.cpu_share is not None and not w.exited}
         counts = {name: n for name, n in threads_.plan(self.torch_threads, shares).items()

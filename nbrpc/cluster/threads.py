@@ -46,9 +46,11 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import sys
 from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -125,8 +127,27 @@ def plan(setting: int | str | None, shares: Mapping[str, CpuShare]) -> dict[str,
 # The variables that set each BLAS library's threads when it loads (threadpoolctl's
 # ``internal_api`` names): a library one of them is set for keeps that count.
 BLAS_ENV = {"openblas": ("OPENBLAS_NUM_THREADS", "GOTO_NUM_THREADS"),
-            "mkl": ("MKL_NUM_THREADS",), "blis": ("BLIS_NUM_THREADS",),
-            "flexiblas": ("FLEXIBLAS_NUM_THREADS",)}
+            "mkl": ("MKL_NUM_THREADS",), "blis": ("BLIS_NUM_THREADS",)}
+
+# threadpoolctl's controllers of the BLAS libraries loaded here, and len(sys.modules)
+# when they were looked for: finding them walks every loaded shared library (0.8 ms),
+# reading a count through one is a call into it (1 us), and a status probe reads them
+# twice a second while a live view runs. A BLAS library comes with the import of an
+# extension module (numpy, scipy), so a longer sys.modules means look again.
+_blas: tuple[int, list[Any]] = (-1, [])
+
+
+def _blas_libs() -> list[Any]:
+    """threadpoolctl's controllers of the BLAS libraries loaded in this process."""
+    global _blas
+    modules, libs = _blas
+    if modules != len(sys.modules):
+        from threadpoolctl import ThreadpoolController
+
+        modules = len(sys.modules)  # (before the look: an import meanwhile means look again)
+        libs = ThreadpoolController().select(user_api="blas").lib_controllers
+        _blas = (modules, libs)
+    return libs
 
 
 def apply(n: int) -> int:
@@ -135,11 +156,9 @@ def apply(n: int) -> int:
     libraries loaded here (numpy's) whose own variable is not set; and in the
     processes it starts (``OMP_NUM_THREADS``, as ``torchrun`` sets it).
     Returns torch's count."""
-    from threadpoolctl import ThreadpoolController
-
     torch.set_num_threads(n)
     os.environ["OMP_NUM_THREADS"] = str(n)
-    for lib in ThreadpoolController().select(user_api="blas").lib_controllers:
+    for lib in _blas_libs():
         if not any(os.environ.get(v) for v in BLAS_ENV.get(lib.internal_api, ())):
             lib.set_num_threads(n)
             # threadpoolctl >= 3.8 lets one thread at a time set OpenBLAS's shared pool,
@@ -158,7 +177,4 @@ def blas_threads() -> str:
     >>> api in BLAS_ENV and int(n) >= 1
     True
     """
-    from threadpoolctl import threadpool_info
-
-    return ", ".join(f"{lib['internal_api']} {lib['num_threads']}"
-                     for lib in threadpool_info() if lib["user_api"] == "blas")
+    return ", ".join(f"{lib.internal_api} {lib.num_threads}" for lib in _blas_libs())
