@@ -131,6 +131,15 @@ def mlp_rref(x: Any, mlp_rref: Any) -> Any:
     return mlp_rref.local_value()(x)
 
 
+def first_weight_grad(ctx: int, mlp_rref: Any) -> Any:
+    """Runs on the owner of ``mlp_rref``: its first layer's weight gradient in
+    distributed autograd context ``ctx`` (whichever library runs it)."""
+    import sys
+
+    dist_autograd = sys.modules.get("nbrpc.autograd") or sys.modules["torch.distributed.autograd"]
+    return dist_autograd.get_gradients(ctx)[mlp_rref.local_value()[0].weight]
+
+
 # -- workers computing at once (bench_compute.py) -------------------------------------
 def train_steps(steps: int, n: int, seed: int) -> tuple[int, float, int]:
     """``steps`` SGD steps of a two-layer ``Linear(n, n)`` model on a batch of

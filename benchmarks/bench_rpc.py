@@ -64,7 +64,11 @@ What is measured (rank 0 calling rank 1 over loopback):
    nodes is most of the work: the same iteration through a model of
    ``autograd_depth`` layers of ``Linear(64, 64)`` and ``tanh`` built on rank 1
    (``y = rpc_sync(PEER, mlp_rref, args=(x, mlp_rref))``, x 32×64), against
-   the same model in one process. And with DistributedDataParallel: the
+   the same model in one process. And micro-batches: the same x in
+   ``autograd_splits`` slices, each its own ``rpc_async`` to the deep model,
+   their outputs concatenated (``torch.futures.wait_all``) into one loss, as a
+   pipeline feeds a stage: the peer's pass gets one message of gradients per
+   slice, and its stages share the model's weights. And with DistributedDataParallel: the
    caller's ``DDP(Linear(n, n))`` (a gloo group of one, made for the
    measurement and destroyed after) feeds the same call, ``y = rpc_sync(PEER,
    matmul_rref, args=(ddp(x), w_rref))``; DDP's hooks run inside the pass (in
@@ -167,6 +171,7 @@ class Config:
     autograd_n: int = 256  # x and W are n×n
     autograd_lr: float = 0.01
     autograd_depth: int = 24  # the deep graph: Linear(64, 64) + tanh layers, batch 32
+    autograd_splits: int = 8  # micro-batches: slices of the deep graph's batch
     cuda_echo: dict[str, tuple[int, int]] = dataclasses.field(default_factory=lambda: {
         "4 KB": (50, 1000), "64 MB": (5, 50)})
     cuda_step: tuple[int, int] = (20, 200)
@@ -553,6 +558,38 @@ def bench_autograd_deep(rpc: Any, lib: str, cfg: Config,
     return {"autograd_deep_ms": statistics.median(samples) * 1e3}
 
 
+def bench_autograd_microbatches(rpc: Any, lib: str, cfg: Config,
+                                failures: list[str]) -> dict[str, float]:
+    """``cfg.autograd`` iterations of a context, the deep graph's ``x`` in
+    ``cfg.autograd_splits`` slices, each ``rpc_async(PEER, mlp_rref, ...)``,
+    their outputs concatenated into one loss, and ``backward``. Checked once
+    after timing: x's gradient and the first layer's weight gradient."""
+    dist_autograd = importlib.import_module(AUTOGRAD_MODULES[lib][0])
+    x = torch.randn(32, 64, generator=torch.Generator().manual_seed(0)).requires_grad_()
+    mlp_rref = rpc.remote(PEER, _targets.new_mlp, args=(cfg.autograd_depth, 64))
+    mlp = mlp_rref.to_here()
+    slices = x.split(x.shape[0] // cfg.autograd_splits)
+
+    def iteration(check: bool = False) -> dict:
+        with dist_autograd.context() as ctx:
+            futs = [rpc.rpc_async(PEER, _targets.mlp_rref, args=(xs, mlp_rref))
+                    for xs in slices]
+            y = torch.cat(torch.futures.wait_all(futs))
+            dist_autograd.backward(ctx, [y.sum()])
+            if not check:
+                return {}
+            first = rpc.rpc_sync(PEER, _targets.first_weight_grad, args=(ctx, mlp_rref))
+            return {"x": dist_autograd.get_gradients(ctx).get(x), "w": first}
+
+    samples = time_calls(iteration, *cfg.autograd, failures)
+    grads = iteration(check=True)
+    want_x, want_w = torch.autograd.grad(mlp(x).sum(), [x, mlp[0].weight])
+    _check_close("x's gradient through the micro-batches", grads["x"], want_x)
+    _check_close("the first layer's weight gradient, summed over the micro-batches",
+                 grads["w"], want_w)
+    return {"autograd_micro_ms": statistics.median(samples) * 1e3}
+
+
 def bench_autograd_ddp(rpc: Any, lib: str, cfg: Config,
                        failures: list[str]) -> dict[str, float]:
     """``cfg.autograd`` iterations of a context, ``y = rpc_sync(PEER,
@@ -672,6 +709,8 @@ def measure(rpc: Any, lib: str, cfg: Config, rec: dict[str, Any],
              lambda f: bench_autograd(rpc, lib, cfg, f, optimizer=True)),
             ("dist autograd through a deep model", sum(cfg.autograd) + 1,
              lambda f: bench_autograd_deep(rpc, lib, cfg, f)),
+            ("dist autograd, micro-batches through a deep model", sum(cfg.autograd) + 1,
+             lambda f: bench_autograd_microbatches(rpc, lib, cfg, f)),
             ("dist autograd with DDP", sum(cfg.autograd) + 1,
              lambda f: bench_autograd_ddp(rpc, lib, cfg, f)),
         ]
@@ -1026,6 +1065,8 @@ def build_rows(nb: dict[str, Any], tc: dict[str, Any], cfg: Config,
                 *metric("autograd_deep_ms"), fmt="{:.2f}"),
             Row("… the same in one process, no RPC (ms/iter)",
                 *both("autograd_deep_local_ms"), fmt="{:.2f}", ratio_ok=False),
+            Row(f"… the same batch as {cfg.autograd_splits} micro-batches, each an rpc_async, "
+                "one backward, median (ms/iter)", *metric("autograd_micro_ms"), fmt="{:.2f}"),
             Row(f"dist autograd: rpc_sync(DDP(Linear({n}, {n}))(x) @ W) + backward, DDP "
                 "in a gloo group of one, median (ms/iter)",
                 *metric("autograd_ddp_ms"), fmt="{:.2f}"),

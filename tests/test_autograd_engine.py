@@ -489,6 +489,102 @@ def test_a_stage_where_no_node_waits_is_one_call_of_pytorchs_engine(
     torch.testing.assert_close(got[w], torch.full((3,), 1.5 ** 30))
 
 
+def _micro_batches(hook: Callable | None = None) -> tuple[list, torch.nn.Linear, list]:
+    """Two micro-batches through one ``Linear`` then ``tanh``, each sent back
+    in its own message (as a pipeline stage's outputs): the two stages of the
+    pass share the layer's weight and bias, which wait for both. Returns the
+    outputs, the layer and the gradients that will arrive for them."""
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(4, 3)
+    if hook is not None:
+        layer.weight.register_hook(hook)
+    xs = torch.randn(6, 4).split(3)
+    outs = [torch.tanh(layer(x)) for x in xs]
+    return outs, layer, [torch.randn(3, 3), torch.randn(3, 3)]
+
+
+def _micro_batches_by_local_autograd() -> tuple[torch.Tensor, torch.Tensor]:
+    """The layer's weight and bias gradients of :func:`_micro_batches`, by local
+    autograd (a graph of its own)."""
+    outs, layer, grads = _micro_batches()
+    loss = sum((o * g).sum() for o, g in zip(outs, grads))
+    return torch.autograd.grad(loss, [layer.weight, layer.bias])
+
+
+def test_a_stage_that_leaves_only_leaves_waiting_is_one_call_of_pytorchs_engine(
+        by_engine: bool, monkeypatch) -> None:
+    """Micro-batches: the first one's stage feeds the shared weight and bias,
+    which wait for the second's. By the engine both stages are one engine call
+    each (it captures the first one's part of the leaves' gradients), and the
+    leaves get the sum, as local autograd gives."""
+    from nbrpc.autograd import engine
+
+    calls = []
+
+    class Spy:
+        def run_backward(self, *args):
+            calls.append(len(args[0]))
+            return real.run_backward(*args)
+
+    real = engine._ENGINE
+    monkeypatch.setattr(engine, "_ENGINE", Spy())
+    outs, layer, grads = _micro_batches()
+    got, accumulate = collector()
+    p = LocalPass("w", {1: [outs[0]], 2: [outs[1]]}, {}, accumulate)
+    p.receive(1, [grads[0]])
+    record, _ = p.run("send 1")
+    assert record.nodes == ["TanhBackward0", "AddmmBackward0", "TBackward0"]
+    assert record.blocked == 2 and not got  # weight and bias wait
+    p.receive(2, [grads[1]])
+    record, _ = p.run("send 2")
+    assert record.blocked == 0 and sorted(record.nodes)[:2] == ["AccumulateGrad"] * 2
+    # by the engine: stage 1 from its entry; stage 2 from its entry and what the
+    # weight and bias held from stage 1 (one node at a time: a call per node)
+    assert calls == [1, 3] if by_engine else len(calls) == 6
+    want = _micro_batches_by_local_autograd()
+    torch.testing.assert_close(got[layer.weight], want[0])
+    torch.testing.assert_close(got[layer.bias], want[1])
+
+
+def test_a_waiting_leaf_with_a_tensor_hook_gets_its_hook_once_on_the_sum() -> None:
+    """A leaf's tensor hook runs once, on the leaf's whole gradient, as in
+    local autograd: a stage that would leave such a leaf waiting runs its
+    nodes one at a time (the engine would run the hook on a part)."""
+    seen = []
+    outs, layer, grads = _micro_batches(hook=lambda g: seen.append(g.clone()))
+    got, accumulate = collector()
+    p = LocalPass("w", {1: [outs[0]], 2: [outs[1]]}, {}, accumulate)
+    for msg in (1, 2):
+        p.receive(msg, [grads[msg - 1]])
+        p.run(f"send {msg}")
+    want = _micro_batches_by_local_autograd()[0]
+    assert len(seen) == 1
+    torch.testing.assert_close(seen[0], want)
+    torch.testing.assert_close(got[layer.weight], want)
+
+
+def test_gradients_held_for_a_node_are_summed_into_a_tensor_of_the_pass_own() -> None:
+    """A node fed by three messages holds their sum: the first two make a new
+    tensor, the third is added into it in place; no given gradient changes."""
+    x = torch.ones(2, requires_grad=True)
+    h = x * 1
+    got, acc = collector()
+    a = LocalPass("A", {1: [h], 2: [h], 3: [h]}, {}, acc)
+    given = [torch.full((2,), float(k)) for k in (1, 2, 3)]
+    a.receive(1, [given[0]])
+    a.run("send 1")
+    a.receive(2, [given[1]])
+    a.run("send 2")
+    node = h.grad_fn
+    total = a._buffers[node][0]
+    assert total is not given[0] and total is not given[1]
+    a.receive(3, [given[2]])
+    assert a._buffers[node][0] is total  # in place
+    a.run("send 3")
+    assert torch.equal(got[x], torch.full((2,), 6.0))
+    assert [g.tolist() for g in given] == [[1.0, 1.0], [2.0, 2.0], [3.0, 3.0]]
+
+
 # -- received tensors: the output of a recv node, as PyTorch's RecvRpcBackward -----------
 class _LocalRecv(torch.autograd.Function):
     """A stand-in for the recv node that local autograd can run: the same

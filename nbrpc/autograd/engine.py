@@ -22,10 +22,13 @@ the gradient its receiver computes. ::
    PyTorch's order (latest created first), their outputs feed the nodes they
    point to, until none is ready. A node therefore runs once per pass with
    all of its gradients summed, however many messages brought them. A stage
-   that leaves no node waiting (counted first, running nothing) is one call
-   of PyTorch's engine (:meth:`LocalPass._run_by_engine`); other stages, and
-   step mode, run the nodes one at a time (:func:`_call`). Both run every
-   hook PyTorch runs (see "hooks" below).
+   is one call of PyTorch's engine (:meth:`LocalPass._run_by_engine`) when,
+   counted first (running nothing), the only nodes it leaves waiting are
+   leaves with no tensor hooks: a weight that later messages' stages feed
+   too (micro-batches through one layer, an RNN's steps), whose part of the
+   gradient the engine captures and the leaf holds until its last stage.
+   Other stages, and step mode, run the nodes one at a time (:func:`_call`).
+   Both run every hook PyTorch runs (see "hooks" below).
 4. A leaf's gradient accumulates in the context (never in ``.grad``), after
    the leaf's tensor hooks (``leaf.register_hook``), and as PyTorch's
    ``AccumulateGrad`` stores it: the tensor itself, unless it also went to
@@ -326,6 +329,7 @@ class LocalPass:
         self._tie = itertools.count()
         self._received: set[int] = set()
         self._shared: set[int] = set()  # ids of gradients a node gave to several edges
+        self._sums: set[tuple[Node, int]] = set()  # buffers holding a sum made here
         self.stages = 0
         self.failed: str | None = None
 
@@ -357,18 +361,31 @@ class LocalPass:
 
     @torch.no_grad()
     def _give(self, node: Node, nr: int, g: torch.Tensor | None) -> None:
-        buf = self._buffers.get(node)
-        if buf is None:
-            buf = self._buffers[node] = {}
-        if g is not None:
-            old = buf.get(nr)
-            buf[nr] = g if old is None else old + g
-        else:
-            buf.setdefault(nr, None)
+        self._hold(node, nr, g)
         left = self.deps[node] - 1
         self.deps[node] = left
         if left == 0:
             self._push(node)
+
+    def _hold(self, node: Node, nr: int, g: torch.Tensor | None) -> None:
+        """Add ``g`` to the gradients ``node`` holds for its input ``nr``: the
+        first sum is a new tensor, which later ones add to in place (as
+        PyTorch's input buffers do: a weight that 8 micro-batches feed would
+        otherwise get 7 new tensors of its size)."""
+        buf = self._buffers.get(node)
+        if buf is None:
+            buf = self._buffers[node] = {}
+        old = buf.get(nr)
+        if g is None:
+            buf.setdefault(nr, None)
+        elif old is None:
+            buf[nr] = g
+            self._sums.discard((node, nr))
+        elif (node, nr) in self._sums and _adds_in_place(old, g):
+            old.add_(g)
+        else:
+            buf[nr] = old + g  # (a tensor of this pass's own)
+            self._sums.add((node, nr))
 
     def _push(self, node: Node) -> None:
         heapq.heappush(self._ready, (self._order(node), next(self._tie), node))
@@ -447,9 +464,9 @@ class LocalPass:
     @torch.no_grad()  # as PyTorch's engine without create_graph
     def _drain(self, record: StageRecord, outbox: list[Outgoing]) -> None:
         if self._by_engine:
-            order = self._closed_stage()
-            if order is not None:
-                self._run_by_engine(order, record, outbox)
+            plan = self._engine_stage()
+            if plan is not None:
+                self._run_by_engine(*plan, record, outbox)
                 return
         while self._ready:
             node = heapq.heappop(self._ready)[2]
@@ -471,10 +488,12 @@ class LocalPass:
                     self._give(nxt, nr, g)
         self._shared.clear()  # (ids of freed tensors may be reused)
 
-    def _closed_stage(self) -> list[Node] | None:
-        """The nodes this stage would run, in order, if no node is left waiting
-        once they ran (no node this stage feeds also waits for a send function
-        whose gradients have not come); else None. Counts only: runs nothing."""
+    def _engine_stage(self) -> tuple[list[Node], list[Node]] | None:
+        """What this stage runs, in order, and the leaves it leaves waiting
+        (fed by this stage and by others still to come), if PyTorch's engine
+        can run it: every node left waiting is a leaf without tensor hooks
+        (the engine would run those on a part of the leaf's gradient). Else
+        None. Counts only: runs nothing."""
         deps, left_of = self.deps, {}
         ready, order = list(self._ready), []
         while ready:
@@ -487,20 +506,23 @@ class LocalPass:
                 left_of[nxt] = left
                 if left == 0:
                     heapq.heappush(ready, (self._order(nxt), next(self._tie), nxt))
-        if any(left > 0 for left in left_of.values()):
+        waiting = [n for n, left in left_of.items() if left > 0]
+        if waiting and (self._native or not all(map(_capturable, waiting))):
             return None
-        for node in left_of:
-            deps[node] = 0
+        deps.update(left_of)
         self._ready.clear()
-        return order
+        return order, waiting
 
-    def _run_by_engine(self, order: list[Node], record: StageRecord,
+    def _run_by_engine(self, order: list[Node], waiting: list[Node], record: StageRecord,
                        outbox: list[Outgoing]) -> None:
-        """A closed stage in one call of PyTorch's engine: the gradients held
-        for the stage's nodes (its entries, and what earlier stages gave them)
-        are its roots, the leaves and recv nodes it reaches are captured (after
-        their tensor hooks, which the engine runs), and every node on the way
-        runs with its hooks, as in PyTorch's own backward."""
+        """A stage in one call of PyTorch's engine: the gradients held for the
+        stage's nodes (its entries, and what earlier stages gave them) are its
+        roots, the leaves and recv nodes it reaches are captured (after their
+        tensor hooks, which the engine runs), and every node on the way runs
+        with its hooks, as in PyTorch's own backward. ``waiting``: leaves this
+        stage feeds that wait for other stages too; what this stage gives them
+        is captured and held (a later stage passes it to the engine as a root,
+        where the engine adds it to the rest)."""
         edges, grads, ends = [], [], []
         for node in order:
             _check_not_released(node)
@@ -511,14 +533,14 @@ class LocalPass:
                     grads.append(g)
             if _is_end(node):
                 ends.append(node)
-        if not ends:
+        if not ends and not waiting:
             return
         if self._native:
             bufs = self._run_native(edges, grads, ends)
             for node in ends:
                 self._end(node, bufs[node], record, outbox, hooked=True)
             return
-        captures = tuple(GradientEdge(n, nr) for n in ends
+        captures = tuple(GradientEdge(n, nr) for n in ends + waiting
                          for nr in range(len(n._input_metadata)))
         if edges:
             got = _ENGINE.run_backward(tuple(edges), tuple(grads), self.retain_graph, False,
@@ -532,6 +554,8 @@ class LocalPass:
             n = len(node._input_metadata)
             self._end(node, dict(enumerate(got[at:at + n])), record, outbox, hooked=True)
             at += n
+        for node, g in zip(waiting, got[at:]):  # (a leaf has one input; a leaf that
+            self._hold(node, 0, g)              # shares g with it stores a copy)
         self._shared.clear()
 
     def _run_native(self, edges: list[GradientEdge], grads: list[torch.Tensor],
@@ -670,6 +694,19 @@ def _call(node: Node, buf: dict[int, Any], retain_graph: bool) -> list:
 def _is_leaf(node: Node) -> bool:
     """An ``AccumulateGrad`` node: where a leaf's gradient arrives."""
     return node.next_functions == () and hasattr(node, "variable")
+
+
+def _adds_in_place(total: torch.Tensor, g: torch.Tensor) -> bool:
+    """Whether ``g`` can be added into ``total`` (a dense sum made by the pass)
+    in place with the same result as ``total + g``."""
+    return (total.layout == torch.strided and g.shape == total.shape
+            and g.dtype == total.dtype and g.device == total.device)
+
+
+def _capturable(node: Node) -> bool:
+    """A node a stage run by the engine may leave waiting: a leaf whose tensor
+    has no hooks (the engine runs a captured node's tensor hooks)."""
+    return _is_leaf(node) and not node.variable._backward_hooks
 
 
 def _is_end(node: Node) -> bool:
