@@ -134,10 +134,56 @@ def mlp_rref(x: Any, mlp_rref: Any) -> Any:
 def first_weight_grad(ctx: int, mlp_rref: Any) -> Any:
     """Runs on the owner of ``mlp_rref``: its first layer's weight gradient in
     distributed autograd context ``ctx`` (whichever library runs it)."""
+    return _dist_autograd().get_gradients(ctx)[mlp_rref.local_value()[0].weight]
+
+
+class Shard:
+    """One stage of a pipeline (bench_rpc.py's ``pipeline`` case, as PyTorch's
+    pipeline tutorial's ``ResNetShard``): ``depth`` layers of ``Linear(width,
+    width)`` and ``ReLU``, seeded, built on the worker that owns it; ``forward``
+    takes the RRef of its input and runs under the shard's lock."""
+
+    def __init__(self, seed: int, width: int, depth: int) -> None:
+        import torch
+
+        torch.manual_seed(seed)
+        self.lock = threading.Lock()
+        layers = []
+        for _ in range(depth):
+            layers += [torch.nn.Linear(width, width), torch.nn.ReLU()]
+        self.seq = torch.nn.Sequential(*layers)
+
+    def forward(self, x_rref: Any) -> Any:
+        x = x_rref.to_here()
+        with self.lock:
+            return self.seq(x)
+
+    def parameter_rrefs(self) -> list:
+        return [_rref_type()(p) for p in self.seq.parameters()]
+
+    def copy(self) -> Any:
+        """The layers, for a local copy of the pipeline."""
+        import copy
+
+        return copy.deepcopy(self.seq)
+
+
+def first_shard_grad(ctx: int, shard_rref: Any) -> Any:
+    """Runs on the owner of ``shard_rref``: its first layer's weight gradient in
+    distributed autograd context ``ctx``."""
+    return _dist_autograd().get_gradients(ctx)[shard_rref.local_value().seq[0].weight]
+
+
+def _dist_autograd() -> Any:
     import sys
 
-    dist_autograd = sys.modules.get("nbrpc.autograd") or sys.modules["torch.distributed.autograd"]
-    return dist_autograd.get_gradients(ctx)[mlp_rref.local_value()[0].weight]
+    return sys.modules.get("nbrpc.autograd") or sys.modules["torch.distributed.autograd"]
+
+
+def _rref_type() -> Any:
+    import sys
+
+    return (sys.modules.get("nbrpc.rpc") or sys.modules["torch.distributed.rpc"]).RRef
 
 
 # -- workers computing at once (bench_compute.py) -------------------------------------

@@ -3,14 +3,14 @@
 Run it with ``make bench`` (or ``.venv/bin/python benchmarks/bench_rpc.py``);
 ``--quick`` runs a few iterations only (a smoke test), ``--markdown`` prints
 the table as Markdown for the README, ``--cases autograd`` (or any comma list of
-``rpc``, ``fork``, ``autograd``, ``trace``, ``cuda``) runs only those cases.
+``rpc``, ``fork``, ``autograd``, ``pipeline``, ``trace``, ``cuda``) runs only those cases.
 
 For each library the script starts two processes with
 ``torch.multiprocessing.spawn``; each calls
 ``init_rpc("workerN", rank=N, world_size=2)`` with ``MASTER_ADDR=127.0.0.1``
 and a free ``MASTER_PORT`` (a different one per run) and the library's
 default backend options (TensorPipe for torch). The create/fork/delete
-cycles (7.) run afterwards in a group of their own, of three processes. Each process imports only
+cycles (7.) and the pipeline (13.) run afterwards in a group of their own, of three processes. Each process imports only
 its own RPC library (``from nbrpc import rpc`` or
 ``import torch.distributed.rpc as rpc``). Rank 0 measures and writes its
 results to a JSON file that this process reads; the others only serve. The
@@ -101,6 +101,20 @@ What is measured (rank 0 calling rank 1 over loopback):
     its own). This process never initializes CUDA (it forks nothing, but
     asks NVML only, as a fork server must).
 
+13. A pipeline, as PyTorch's pipeline-parallelism tutorial splits ResNet50
+    over two workers: rank 0 holds ``Shard`` objects (``_targets.Shard``:
+    ``pipeline_depth`` layers of ``Linear(pipeline_width, pipeline_width)`` and
+    ``ReLU`` each) made with ``remote()`` on ranks 1 and 2, and per iteration
+    splits a batch of ``pipeline_batch`` rows into micro-batches; for each,
+    ``y = p1.remote().forward(RRef(x))`` and ``p2.rpc_async().forward(y)``, the
+    outputs concatenated (``torch.futures.wait_all``) into an MSE loss, then
+    ``backward`` and ``DistributedOptimizer(SGD).step`` in the context: median
+    (ms) for each count in ``pipeline_splits``, with each library's default
+    threads. Rank 1's stages of the
+    backward overlap rank 2's as the forward's do, where the library runs a
+    pass's stages at once. Checked once before timing: the loss and the first
+    layer's weight gradient against a local copy of both shards.
+
 The targets from the issue are printed next to the metrics they apply to.
 Every loop is bounded, and each library's run is killed after ``--timeout``
 seconds (partial results are still shown). Calls that raise are counted and
@@ -139,7 +153,8 @@ AUTOGRAD_MODULES = {"nbrpc": ("nbrpc.autograd", "nbrpc.optim"),
                     "torch": ("torch.distributed.autograd", "torch.distributed.optim")}
 # --cases: the two-worker RPC set, the cycles, autograd, the same calls inside a trace,
 # CUDA tensors along device maps (where a GPU is found: a group of its own)
-CASES = ("rpc", "fork", "autograd", "trace", "cuda")
+CASES = ("rpc", "fork", "autograd", "pipeline", "trace", "cuda")
+THREE_WORKERS = ("fork", "pipeline")  # the cases of the three-worker group
 PEER = "worker1"
 OWNERS = ("worker1", "worker2")  # of the create/fork/delete cycles
 ECHO_SIZES = {"4 KB": 4 << 10, "1 MB": 1 << 20, "64 MB": 64 << 20}
@@ -172,6 +187,11 @@ class Config:
     autograd_lr: float = 0.01
     autograd_depth: int = 24  # the deep graph: Linear(64, 64) + tanh layers, batch 32
     autograd_splits: int = 8  # micro-batches: slices of the deep graph's batch
+    pipeline: tuple[int, int] = (3, 20)  # per micro-batch count
+    pipeline_splits: tuple[int, ...] = (1, 4)
+    pipeline_width: int = 1024
+    pipeline_depth: int = 4
+    pipeline_batch: int = 256
     cuda_echo: dict[str, tuple[int, int]] = dataclasses.field(default_factory=lambda: {
         "4 KB": (50, 1000), "64 MB": (5, 50)})
     cuda_step: tuple[int, int] = (20, 200)
@@ -182,7 +202,7 @@ class Config:
 QUICK = Config(sync=(20, 200), async_calls=500, async_rounds=1,
                echo={"4 KB": (5, 50), "1 MB": (2, 10), "64 MB": (1, 3)},
                sparse_echo=(5, 30), remote=(10, 50), fork_rounds=(1, 1), import_runs=1,
-               autograd=(10, 40), autograd_local=(10, 40),
+               autograd=(10, 40), autograd_local=(10, 40), pipeline=(1, 5),
                cuda_echo={"4 KB": (5, 50), "64 MB": (2, 5)}, cuda_step=(5, 20))
 
 
@@ -629,6 +649,46 @@ def bench_autograd_ddp(rpc: Any, lib: str, cfg: Config,
     return {"autograd_ddp_ms": statistics.median(samples) * 1e3}
 
 
+def bench_pipeline(rpc: Any, lib: str, cfg: Config, failures: list[str]) -> dict[str, float]:
+    """The pipeline (13. in the module docstring): ms per iteration for each
+    micro-batch count, after a check against a local copy of both shards."""
+    dist_autograd, dist_optim = (importlib.import_module(m) for m in AUTOGRAD_MODULES[lib])
+    width, depth, batch = cfg.pipeline_width, cfg.pipeline_depth, cfg.pipeline_batch
+    shards = [rpc.remote(owner, _targets.Shard, args=(k, width, depth))
+              for k, owner in enumerate(OWNERS, 1)]
+    params = [p for s in shards for p in s.remote().parameter_rrefs().to_here()]
+    gen = torch.Generator().manual_seed(0)
+    x, target = torch.randn(batch, width, generator=gen), torch.randn(batch, width, generator=gen)
+
+    def forward(splits: int) -> torch.Tensor:
+        futs = []
+        for xs in x.split(batch // splits):
+            y = shards[0].remote().forward(rpc.RRef(xs))
+            futs.append(shards[1].rpc_async().forward(y))
+        return torch.nn.functional.mse_loss(torch.cat(torch.futures.wait_all(futs)), target)
+
+    local = torch.nn.Sequential(*(s.rpc_sync().copy() for s in shards))
+    want = torch.nn.functional.mse_loss(local(x), target)
+    (want_w,) = torch.autograd.grad(want, [local[0][0].weight])
+    with dist_autograd.context() as ctx:
+        loss = forward(max(cfg.pipeline_splits))
+        dist_autograd.backward(ctx, [loss])
+        got_w = rpc.rpc_sync(OWNERS[0], _targets.first_shard_grad, args=(ctx, shards[0]))
+    _check_close("the pipeline's loss", loss.detach(), want.detach())
+    _check_close("the first layer's weight gradient", got_w, want_w)
+
+    opt = dist_optim.DistributedOptimizer(torch.optim.SGD, params, lr=1e-3)
+    out = {}
+    for splits in cfg.pipeline_splits:
+        def iteration(splits: int = splits) -> None:
+            with dist_autograd.context() as ctx:
+                dist_autograd.backward(ctx, [forward(splits)])
+                opt.step(ctx)
+        samples = time_calls(iteration, *cfg.pipeline, failures)
+        out[f"pipeline_{splits}_ms"] = statistics.median(samples) * 1e3
+    return out
+
+
 def bench_autograd_local(cfg: Config, failures: list[str]) -> dict[str, float]:
     """The reference: the same two computations in this process, no RPC."""
     n, lr = cfg.autograd_n, cfg.autograd_lr
@@ -851,7 +911,7 @@ def _worker(rank: int, lib: str, port: int, outdir: str, cfg: Config,
             if world_size == 2:
                 _lead(rpc, lib, cfg, rec, save)
             else:
-                _lead_fork(rpc, cfg, rec, save)
+                _lead_three(rpc, lib, cfg, rec, save)
         else:
             rec["released"] = _targets.wait_released(cfg.serve_timeout_s)
     finally:
@@ -881,12 +941,17 @@ def _lead(rpc: Any, lib: str, cfg: Config, rec: dict[str, Any],
             rec.setdefault("errors", {})["release"] = f"{type(e).__name__}: {e}"
 
 
-def _lead_fork(rpc: Any, cfg: Config, rec: dict[str, Any], save: Callable[[], None]) -> None:
-    """Rank 0 of the three-worker group: the create/fork/delete cycles, then
-    release ranks 1 and 2."""
+def _lead_three(rpc: Any, lib: str, cfg: Config, rec: dict[str, Any],
+                save: Callable[[], None]) -> None:
+    """Rank 0 of the three-worker group: the create/fork/delete cycles and the
+    pipeline, then release ranks 1 and 2."""
+    steps: list[tuple[str, int, Step]] = []
+    if "fork" in cfg.cases:
+        steps.append(("create/fork/delete cycles", 0, lambda f: bench_fork(rpc, cfg, rec)))
+    if "pipeline" in cfg.cases:
+        steps.append(("pipeline", 0, lambda f: bench_pipeline(rpc, lib, cfg, f)))
     try:
-        run_steps([("create/fork/delete cycles", 0, lambda f: bench_fork(rpc, cfg, rec))],
-                  rec, save)
+        run_steps(steps, rec, save)
     except Exception:
         rec["fatal"] = traceback.format_exc()
     finally:
@@ -995,7 +1060,7 @@ def build_rows(nb: dict[str, Any], tc: dict[str, Any], cfg: Config,
     def ranks(key: str) -> tuple[float | None, float | None]:
         return pair(lambda r: _median_ranks(r, key, 1e3))
 
-    def fork(key: str) -> tuple[float | None, float | None]:
+    def three(key: str) -> tuple[float | None, float | None]:  # the three-worker group
         return pair(lambda r: _metric(r["fork"], key) if r.get("fork") else None)
 
     def both(key: str) -> tuple[float | None, float | None]:  # one value, no library
@@ -1044,9 +1109,17 @@ def build_rows(nb: dict[str, Any], tc: dict[str, Any], cfg: Config,
         n = cfg.fork_cycles
         rows += [
             Row(f"{n} create/fork/delete cycles, 3 workers, until all freed (ms)",
-                *fork("fork_total_ms")),
+                *three("fork_total_ms")),
             Row("… of which waiting for the frees after the last cycle (ms)",
-                *fork("fork_wait_ms"), fmt="{:.2f}"),
+                *three("fork_wait_ms"), fmt="{:.2f}"),
+        ]
+    if "pipeline" in cfg.cases:
+        rows += [
+            Row(f"pipeline over 2 workers ({cfg.pipeline_depth}× Linear({cfg.pipeline_width}, "
+                f"{cfg.pipeline_width}) + ReLU each, batch {cfg.pipeline_batch}), "
+                f"{k} micro-batch{'es' if k > 1 else ''}: fwd + bwd + step, median (ms/iter)",
+                *three(f"pipeline_{k}_ms"), fmt="{:.1f}")
+            for k in cfg.pipeline_splits
         ]
     if "autograd" in cfg.cases:
         n = cfg.autograd_n
@@ -1181,12 +1254,15 @@ def describe(cfg: Config, quick: bool, markdown: bool) -> str:
     if "autograd" in cfg.cases:
         iterations.append(f"dist autograd {cfg.autograd[0]}+{cfg.autograd[1]} per case, "
                           f"local reference {cfg.autograd_local[0]}+{cfg.autograd_local[1]}")
+    if "pipeline" in cfg.cases:
+        iterations.append(f"pipeline {cfg.pipeline[0]}+{cfg.pipeline[1]} per micro-batch count")
     selected = "" if cfg.cases == CASES else f" [--cases {','.join(cfg.cases)}]"
     lines = [
         f"nbrpc vs torch.distributed.rpc (TensorPipe, default options)"
         f"{' [--quick]' if quick else ''}{selected}",
         f"torch {torch.__version__}, Python {platform.python_version()}, "
-        f"{os.cpu_count()} CPUs, {platform.machine()}; 2 processes (3 for the cycles) on "
+        f"{os.cpu_count()} CPUs, {platform.machine()}; 2 processes (3 for the cycles and "
+        "the pipeline) on "
         f"127.0.0.1; load average "
         f"at the end {os.getloadavg()[0]:.2f} (other work on the machine skews the numbers)",
         "iterations (warm-up+timed): " + "; ".join(iterations),
@@ -1199,6 +1275,13 @@ def describe(cfg: Config, quick: bool, markdown: bool) -> str:
             "both owners have freed every value (Value.__del__ counts, polled by rank 0 "
             f"every {cfg.fork_poll_s * 1e3:g} ms; not freed {cfg.fork_deadline_s:g} s after "
             "the last cycle = a failure)")
+    if "pipeline" in cfg.cases:
+        lines.append(
+            "pipeline: in the group of 3 processes; rank 0 splits each batch into micro-batches, "
+            "y = p1.remote().forward(RRef(x)) on rank 1, p2.rpc_async().forward(y) on rank 2, "
+            "an MSE loss of the concatenated outputs, backward and DistributedOptimizer(SGD)."
+            "step in a context (PyTorch's pipeline-parallelism tutorial, its ResNet shards as "
+            "Linear stacks); checked once against a local copy of the shards")
     if "autograd" in cfg.cases:
         n = cfg.autograd_n
         lines.append(
@@ -1329,10 +1412,11 @@ def main(argv: list[str] | None = None) -> int:
                     cold_import_s(lib, cfg.import_runs))
             print(f"  {lib} done in {results[lib]['wall_s']:.1f} s", file=sys.stderr,
                   flush=True)
-        for lib in LIBRARIES if "fork" in cases else ():
+        for lib in LIBRARIES if set(THREE_WORKERS) & set(cases) else ():
             port = free_port(ports)
             ports.add(port)
-            print(f"[{rep + 1}/{repeat}] running {lib}, 3 workers: create/fork/delete cycles "
+            what = " and ".join(c for c in THREE_WORKERS if c in cases)
+            print(f"[{rep + 1}/{repeat}] running {lib}, 3 workers: {what} "
                   f"(MASTER_PORT={port}) ...", file=sys.stderr, flush=True)
             fork = results[lib]["fork"] = run_library(lib, port, fork_cfg, fork_limit, 3)
             print(f"  {lib} done in {fork['wall_s']:.1f} s", file=sys.stderr, flush=True)

@@ -563,6 +563,56 @@ def test_a_waiting_leaf_with_a_tensor_hook_gets_its_hook_once_on_the_sum() -> No
     torch.testing.assert_close(got[layer.weight], want)
 
 
+def test_stages_begun_together_end_in_any_order_and_the_last_finishes_the_weight() -> None:
+    """Two micro-batches' stages begun before either's engine call ran (as two
+    threads run them): the second reaches the weight and bias with every edge
+    given, but the first's part is still on its way, so the weight is finished
+    by whichever stage ends last, with the sum. (By the engine: one node at a
+    time, a stage runs whole in begin().)"""
+    outs, layer, grads = _micro_batches()
+    got, accumulate = collector()
+    p = _LocalPass("w", {1: [outs[0]], 2: [outs[1]]}, {}, accumulate, by_engine=True)
+    p.receive(1, [grads[0]])
+    first = p.begin("send 1")
+    p.receive(2, [grads[1]])
+    second = p.begin("send 2")
+    assert first.pending and second.pending and p.running == 2
+    assert second.ends == [] and len(second.held) == 2  # the first's parts are out
+    p.execute(second)
+    p.end(second)
+    assert not got  # not before the first's part is in
+    p.execute(first)
+    record, _ = p.end(first)
+    assert p.running == 0 and record.blocked == 0 and not p._inflight
+    want = _micro_batches_by_local_autograd()
+    torch.testing.assert_close(got[layer.weight], want[0])
+    torch.testing.assert_close(got[layer.bias], want[1])
+
+
+def test_a_stage_run_one_node_at_a_time_waits_for_the_pending_ones() -> None:
+    """A stage that leaves a non-leaf waiting runs its nodes one at a time, so
+    it begins only once no engine call is pending (begin() says None and
+    changes nothing meanwhile); the gradients are local autograd's."""
+    x = torch.tensor([1.0, 2.0], requires_grad=True)
+    y = torch.tensor([3.0, 4.0], requires_grad=True)
+    h = x * 3  # waits for both sends below
+    a, b, c = h + 1, h * 2, y * 5
+    got, acc = collector()
+    p = _LocalPass("A", {1: [a], 2: [b], 3: [c]}, {}, acc, by_engine=True)
+    p.receive(3, [torch.ones(2)])
+    pending = p.begin("send 3")
+    assert pending.pending
+    p.receive(1, [torch.ones(2)])
+    assert p.begin("send 1") is None and p.running == 1
+    p.execute(pending)
+    p.end(pending)
+    record, _ = p.end(p.begin("send 1"))
+    assert record.nodes == ["AddBackward0"] and record.blocked == 1
+    p.receive(2, [torch.ones(2)])
+    p.run("send 2")
+    assert torch.equal(got[x], torch.full((2,), 9.0)) and torch.equal(got[y], torch.full((2,), 5.0))
+
+
 def test_gradients_held_for_a_node_are_summed_into_a_tensor_of_the_pass_own() -> None:
     """A node fed by three messages holds their sum: the first two make a new
     tensor, the third is added into it in place; no given gradient changes."""

@@ -517,6 +517,49 @@ def test_concurrent_contexts_on_two_threads_keep_separate_gradients(group) -> No
         assert torch.allclose(results[k], w.grad)
 
 
+class _Meet(torch.autograd.Function):
+    """Identity whose backward waits (10 s at most) until two backwards are in
+    it at once: what the stages of one pass do when they run at once."""
+
+    barrier = threading.Barrier(2, timeout=10)
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        _Meet.barrier.wait()
+        return g
+
+
+def meet_mm(x: torch.Tensor, w: RRef) -> torch.Tensor:
+    return _Meet.apply(x) @ w.local_value()
+
+
+def test_the_stages_of_one_pass_run_at_once_on_a_worker(group) -> None:
+    """Two micro-batches through one model on b, in one context: b gets two
+    messages of gradients and runs their stages at once, as PyTorch's engine
+    runs them on the RPC threads (a pipeline's stages overlap so). Each stage's
+    backward meets the other's; one after the other, the first would wait out
+    the barrier and fail the pass. The weight gets both parts."""
+    _Meet.barrier.reset()
+    wb = remote("b", make_param, (1, 3, 3))
+    xs = [make_param(k, 2, 3) for k in (2, 3)]
+    with dist_autograd.context() as ctx:
+        futs = [rpc_async("b", meet_mm, (x, wb)) for x in xs]
+        loss = torch.cat(torch.futures.wait_all(futs)).sum()
+        dist_autograd.backward(ctx, [loss])
+        got = rpc_sync("b", grad_here, (ctx, wb))
+        grads = dist_autograd.get_gradients(ctx)
+    w = local(wb.to_here())
+    xl = [x.detach().requires_grad_() for x in xs]
+    torch.cat([x @ w for x in xl]).sum().backward()
+    torch.testing.assert_close(got, w.grad)
+    for x, x_local in zip(xs, xl):
+        torch.testing.assert_close(grads[x], x_local.grad)
+
+
 def test_leaving_a_context_releases_it_everywhere(group) -> None:
     wb = remote("b", make_param, (1, 3, 1))
     with dist_autograd.context():

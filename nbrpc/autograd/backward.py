@@ -53,12 +53,13 @@ from ..agent.remote_errors import pack_error, rebuild_error
 from ..errors import BackwardStageError, NbrpcError, RpcTimeoutError
 from ..serialize import Placed
 from .context import AutogradContext, Contexts, contexts_of
-from .engine import LocalPass, Outgoing, edge, end_point, next_edges
+from .engine import LocalPass, Outgoing, Stage, edge, end_point, next_edges
 from .messages import Abort, Back, Credit, Flush, Grads, GraphQuery
 
 log = logging.getLogger(__name__)
 
 MAX_FLUSH_ROUNDS = 16
+STAGE_WAIT = 600.0  # s: the most a stage waits for the others' engine calls to end
 _pass_ids = itertools.count(1)
 
 
@@ -114,23 +115,59 @@ def check_roots(roots: Any, received: Any = None) -> list[torch.Tensor]:
 # -- one stage on this worker ---------------------------------------------------------
 def run_stage(agent: Agent, ctx: AutogradContext, lp: LocalPass, trigger: str,
               feed: Any) -> tuple[dict[str, Any], list[Outgoing]]:
-    """``feed(lp)`` delivers what triggered the stage; then the stage runs."""
+    """``feed(lp)`` delivers what triggered the stage; then the stage runs.
+    Its engine call (if PyTorch's engine runs it) runs without the context's
+    lock, so stages of one pass that other messages start meanwhile run at
+    once, as in PyTorch's engine (a pipeline's micro-batches)."""
     with ctx.lock:
         if lp.failed:
             raise RuntimeError(f"the distributed backward pass was aborted: {lp.failed}")
         outer, ctx.running = ctx.running, lp  # (debug_info; outer: a stage re-entered)
         try:
             feed(lp)
-            record, outbox = lp.flush() if trigger == "flush" else lp.run(trigger)
+            stage = _begin(ctx, lp, trigger)
         except BaseException as e:
             lp.failed = f"{type(e).__name__} on {agent.name!r}: {e}"
             raise
         finally:
             ctx.running = outer
+    if stage.pending:
+        try:
+            lp.execute(stage)
+        except BaseException as e:
+            with ctx.lock:
+                lp.failed = f"{type(e).__name__} on {agent.name!r}: {e}"
+                lp.abandon(stage)
+                ctx.idle.notify_all()
+            raise
+    with ctx.lock:
+        try:
+            record, outbox = lp.end(stage)
+        except BaseException as e:
+            lp.failed = f"{type(e).__name__} on {agent.name!r}: {e}"
+            raise
+        finally:
+            ctx.idle.notify_all()
         data = ctx.add_stage(record)
     ctx.known.update(o.peer for o in outbox)
     agent.events.add("autograd-stage", trigger, agent.name, ctx.id, len(record.nodes))
     return data, outbox
+
+
+def _begin(ctx: AutogradContext, lp: LocalPass, trigger: str) -> Stage:
+    """Begin a stage (``ctx.lock`` held). One that runs its nodes one at a time
+    (or a flush) waits until the pass's running engine calls have ended; they
+    end on their own, so the wait is bounded (``STAGE_WAIT``)."""
+    deadline = time.monotonic() + STAGE_WAIT
+    while True:
+        stage = lp.begin_flush() if trigger == "flush" else lp.begin(trigger)
+        if stage is not None:
+            return stage
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise RpcTimeoutError(f"a backward stage on this worker (waiting {STAGE_WAIT:g} s "
+                                  "for the pass's running stages)", STAGE_WAIT)
+        ctx.idle.wait(min(left, 1.0))
 
 
 # -- normal mode ----------------------------------------------------------------------

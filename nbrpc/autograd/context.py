@@ -107,7 +107,11 @@ class AutogradContext:
         self.known: set[int] = set()  # workers it exchanged tensors or gradients with
         self.passes: dict[tuple[int, int], LocalPass] = {}
         self.stages: deque[dict[str, Any]] = deque(maxlen=MAX_STAGE_RECORDS)
-        self.lock = threading.RLock()  # one stage at a time per context and worker
+        # stages begin and end one at a time per context and worker; their
+        # engine calls run unlocked, and a stage that runs its nodes one at a
+        # time waits (``idle``) until no engine call runs
+        self.lock = threading.RLock()
+        self.idle = threading.Condition(self.lock)
         self.leaf_names: dict[int, str] = {}  # id(tensor) -> a name for the records
         self.running: LocalPass | None = None  # the pass whose stage runs here now
 
@@ -274,7 +278,7 @@ class Contexts(Propagator):
         running = set(self.waiters)
         for ctx in contexts:
             lp = ctx.running
-            running.update(p for p, q in list(ctx.passes.items()) if q is lp)
+            running.update(p for p, q in list(ctx.passes.items()) if q is lp or q.running)
         return {"num_current_backward_passes": len(running),
                 "num_autograd_contexts": len(contexts)}
 

@@ -28,7 +28,13 @@ the gradient its receiver computes. ::
    too (micro-batches through one layer, an RNN's steps), whose part of the
    gradient the engine captures and the leaf holds until its last stage.
    Other stages, and step mode, run the nodes one at a time (:func:`_call`).
-   Both run every hook PyTorch runs (see "hooks" below).
+   Both run every hook PyTorch runs (see "hooks" below). A stage for the
+   engine is begun, its engine call made and the stage ended in three steps
+   (:meth:`LocalPass.begin`, :meth:`~LocalPass.execute`,
+   :meth:`~LocalPass.end`): the engine call owns the nodes it runs, so the
+   stages that several messages start run at once, as PyTorch's engine runs
+   them on the RPC threads; a leaf that two of them feed is finished by the
+   last to end.
 4. A leaf's gradient accumulates in the context (never in ``.grad``), after
    the leaf's tensor hooks (``leaf.register_hook``), and as PyTorch's
    ``AccumulateGrad`` stores it: the tensor itself, unless it also went to
@@ -107,6 +113,27 @@ class StageRecord:
         ``dataclasses.asdict`` deep-copied every gradient's entry, which cost
         more than running a deep graph's nodes)."""
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+
+@dataclass(slots=True)
+class Stage:
+    """One stage from :meth:`LocalPass.begin` to :meth:`LocalPass.end`. A stage
+    PyTorch's engine runs is ``pending`` in between: its roots (``edges``, with
+    ``grads``) and ``captures`` are fixed, and :meth:`LocalPass.execute` makes
+    the engine call, which needs no lock (other stages of the pass may begin
+    and end meanwhile). ``ends``: the leaves and recv nodes it finishes;
+    ``held``: the leaves it captures a part of (others' parts are still to
+    come, or on their way in a running stage's engine call)."""
+
+    record: StageRecord
+    outbox: list[Outgoing] = field(default_factory=list)
+    edges: tuple = ()
+    grads: tuple = ()
+    ends: list[Node] = field(default_factory=list)
+    held: list[Node] = field(default_factory=list)
+    captures: tuple = ()
+    got: tuple | None = None
+    pending: bool = False
 
 
 RECV_NODE_NAME = "torch::distributed::autograd::RecvRpcBackward"  # PyTorch's C++ name
@@ -330,6 +357,10 @@ class LocalPass:
         self._received: set[int] = set()
         self._shared: set[int] = set()  # ids of gradients a node gave to several edges
         self._sums: set[tuple[Node, int]] = set()  # buffers holding a sum made here
+        # leaves captured by stages whose engine calls run now (how many), and
+        # those stages: a stage that runs nodes one at a time waits for none
+        self._inflight: Counter[Node] = Counter()
+        self.running = 0
         self.stages = 0
         self.failed: str | None = None
 
@@ -400,16 +431,81 @@ class LocalPass:
     def run(self, trigger: str = "roots") -> tuple[StageRecord, list[Outgoing]]:
         """One stage: run every node that is ready, and what becomes ready.
         Returns its record and the gradients to send to other workers."""
-        record, outbox = StageRecord(self.worker, trigger), []
+        stage = self.begin(trigger)
+        if stage is None:
+            raise BackwardError("a stage that runs its nodes one at a time waits for the "
+                                "pass's running stages: use begin(), execute() and end()")
+        try:
+            self.execute(stage)
+        except BaseException:
+            self.abandon(stage)
+            raise
+        return self.end(stage)
+
+    def begin(self, trigger: str = "roots") -> Stage | None:
+        """Start a stage (the caller serializes :meth:`begin`, :meth:`end` and
+        the rest). A stage that PyTorch's engine can run is left pending: run
+        its :meth:`execute` (no lock needed), then :meth:`end`. Any other stage
+        runs here, whole, but only once no stage is pending; until then this
+        returns None and changes nothing (wait for an :meth:`end`, and ask
+        again). Native mode runs every stage here."""
+        plan = self._engine_stage() if self._by_engine else None
+        if plan is None and self.running:
+            return None
+        stage = Stage(StageRecord(self.worker, trigger))
         self.stages += 1
-        with self._staged(record):
-            self._drain(record, outbox)
-        return self._close(record, outbox)
+        if plan is not None and not self._native:
+            self._prepare(stage, *plan)
+            stage.pending = True
+            self.running += 1
+            return stage
+        with self._staged(stage.record):
+            if plan is not None:
+                self._run_by_engine(*plan, stage.record, stage.outbox)
+            else:
+                self._drain_nodes(stage.record, stage.outbox)
+        return stage
+
+    def execute(self, stage: Stage) -> None:
+        """A pending stage's engine call: the nodes it runs belong to it alone,
+        so it needs no lock. (Its hooks run here, on the calling thread.)"""
+        if stage.pending and stage.edges and stage.captures:
+            stage.got = _ENGINE.run_backward(stage.edges, stage.grads, self.retain_graph,
+                                             False, stage.captures, True, False)
+
+    def end(self, stage: Stage) -> tuple[StageRecord, list[Outgoing]]:
+        """Finish a stage: what it captured goes to its leaves, recv nodes and
+        held leaves. Returns its record and the gradients to send."""
+        if stage.pending:
+            stage.pending = False
+            self.running -= 1
+            self._finish(stage)
+        return self._close(stage.record, stage.outbox)
+
+    def abandon(self, stage: Stage) -> None:
+        """A pending stage whose engine call failed: forget what it held."""
+        if stage.pending:
+            stage.pending = False
+            self.running -= 1
+            for node in stage.held:
+                self._inflight[node] -= 1
+            self._inflight = +self._inflight
 
     def flush(self) -> tuple[StageRecord, list[Outgoing]]:
         """The pass is over elsewhere: run blocked nodes with what they have
         (a send function they wait for will never get a gradient)."""
-        record, outbox = StageRecord(self.worker, "flush"), []
+        stage = self.begin_flush()
+        if stage is None:
+            raise BackwardError("a flush waits for the pass's running stages")
+        return self.end(stage)
+
+    def begin_flush(self) -> Stage | None:
+        """The flush as a stage, run here (see :meth:`flush`); None while a
+        stage is pending (as :meth:`begin`)."""
+        if self.running:
+            return None
+        stage = Stage(StageRecord(self.worker, "flush"))
+        record, outbox = stage.record, stage.outbox
         self.stages += 1
         with self._staged(record):
             for _ in range(len(self.deps) + 1):  # bounded: each round runs >= 1 node
@@ -420,7 +516,7 @@ class LocalPass:
                 self.deps[node] = 0
                 self._push(node)
                 self._drain(record, outbox)
-        return self._close(record, outbox)
+        return stage
 
     @contextlib.contextmanager
     def _staged(self, record: StageRecord) -> Iterator[None]:
@@ -461,13 +557,17 @@ class LocalPass:
                                                  "shape": list(node.variable.shape),
                                                  "norm": self._norm(g)})
 
-    @torch.no_grad()  # as PyTorch's engine without create_graph
     def _drain(self, record: StageRecord, outbox: list[Outgoing]) -> None:
         if self._by_engine:
             plan = self._engine_stage()
             if plan is not None:
                 self._run_by_engine(*plan, record, outbox)
                 return
+        self._drain_nodes(record, outbox)
+
+    @torch.no_grad()  # as PyTorch's engine without create_graph
+    def _drain_nodes(self, record: StageRecord, outbox: list[Outgoing]) -> None:
+        """Run the ready nodes one at a time, and what becomes ready."""
         while self._ready:
             node = heapq.heappop(self._ready)[2]
             buf = self._buffers.pop(node, {})
@@ -513,49 +613,72 @@ class LocalPass:
         self._ready.clear()
         return order, waiting
 
+    @torch.no_grad()  # as PyTorch's engine without create_graph
     def _run_by_engine(self, order: list[Node], waiting: list[Node], record: StageRecord,
                        outbox: list[Outgoing]) -> None:
-        """A stage in one call of PyTorch's engine: the gradients held for the
-        stage's nodes (its entries, and what earlier stages gave them) are its
-        roots, the leaves and recv nodes it reaches are captured (after their
-        tensor hooks, which the engine runs), and every node on the way runs
-        with its hooks, as in PyTorch's own backward. ``waiting``: leaves this
-        stage feeds that wait for other stages too; what this stage gives them
-        is captured and held (a later stage passes it to the engine as a root,
-        where the engine adds it to the rest)."""
-        edges, grads, ends = [], [], []
+        """A stage in one call of PyTorch's engine, here and now (see
+        :meth:`_prepare`)."""
+        stage = Stage(record, outbox)
+        self._prepare(stage, order, waiting)
+        if self._native:
+            if stage.ends and stage.edges:
+                bufs = self._run_native(list(stage.edges), list(stage.grads), stage.ends)
+                for node in stage.ends:
+                    self._end(node, bufs[node], record, outbox, hooked=True)
+            return
+        stage.pending = True
+        self.execute(stage)
+        stage.pending = False
+        self._finish(stage)
+
+    def _prepare(self, stage: Stage, order: list[Node], waiting: list[Node]) -> None:
+        """A stage for PyTorch's engine: the gradients held for the stage's
+        nodes (its entries, and what earlier stages gave them) are its roots,
+        the leaves and recv nodes it reaches are captured (after their tensor
+        hooks, which the engine runs), and every node on the way runs with its
+        hooks, as in PyTorch's own backward. ``waiting``: leaves this stage
+        feeds that wait for other stages too; what this stage gives them is
+        captured and held (a later stage passes it to the engine as a root,
+        where the engine adds it to the rest). So is what it gives a leaf
+        whose other parts a running stage captures: the last to end finishes
+        that leaf (:meth:`_finish`)."""
+        edges, grads = [], []
         for node in order:
             _check_not_released(node)
-            record.nodes.append(type(node).__name__)
+            stage.record.nodes.append(type(node).__name__)
             for nr, g in self._buffers.pop(node, {}).items():
                 if g is not None:
                     edges.append(GradientEdge(node, nr))
                     grads.append(g)
             if _is_end(node):
-                ends.append(node)
-        if not ends and not waiting:
-            return
-        if self._native:
-            bufs = self._run_native(edges, grads, ends)
-            for node in ends:
-                self._end(node, bufs[node], record, outbox, hooked=True)
-            return
-        captures = tuple(GradientEdge(n, nr) for n in ends + waiting
-                         for nr in range(len(n._input_metadata)))
-        if edges:
-            got = _ENGINE.run_backward(tuple(edges), tuple(grads), self.retain_graph, False,
-                                       captures, True, False)
-        else:
-            got = (None,) * len(captures)
+                (stage.held if self._inflight[node] else stage.ends).append(node)
+        stage.held += waiting
+        self._inflight.update(stage.held)
+        stage.edges, stage.grads = tuple(edges), tuple(grads)
+        stage.captures = tuple(GradientEdge(n, nr) for n in stage.ends + stage.held
+                               for nr in range(len(n._input_metadata)))
+
+    @torch.no_grad()  # as PyTorch's engine without create_graph
+    def _finish(self, stage: Stage) -> None:
+        """What a stage's engine call captured: its ends get their gradients,
+        its held leaves add their part (a leaf whose every part is in then
+        gets the sum)."""
+        record, outbox = stage.record, stage.outbox
+        got = stage.got if stage.got is not None else (None,) * len(stage.captures)
         counts = Counter(id(g) for g in got if g is not None)
         self._shared.update(i for i, n in counts.items() if n > 1)  # a leaf copies those
         at = 0
-        for node in ends:
+        for node in stage.ends:
             n = len(node._input_metadata)
             self._end(node, dict(enumerate(got[at:at + n])), record, outbox, hooked=True)
             at += n
-        for node, g in zip(waiting, got[at:]):  # (a leaf has one input; a leaf that
-            self._hold(node, 0, g)              # shares g with it stores a copy)
+        for node, g in zip(stage.held, got[at:]):  # (a leaf has one input; a leaf
+            self._hold(node, 0, g)                  # that shares g stores a copy)
+            self._inflight[node] -= 1
+            if not self._inflight[node]:
+                del self._inflight[node]
+                if not self.deps[node]:  # every part is in (no tensor hooks to run)
+                    self._end(node, self._buffers.pop(node, {}), record, outbox)
         self._shared.clear()
 
     def _run_native(self, edges: list[GradientEdge], grads: list[torch.Tensor],
