@@ -131,10 +131,13 @@ def mlp_rref(x: Any, mlp_rref: Any) -> Any:
     return mlp_rref.local_value()(x)
 
 
-def first_weight_grad(ctx: int, mlp_rref: Any) -> Any:
-    """Runs on the owner of ``mlp_rref``: its first layer's weight gradient in
-    distributed autograd context ``ctx`` (whichever library runs it)."""
-    return _dist_autograd().get_gradients(ctx)[mlp_rref.local_value()[0].weight]
+def first_weight_grad(ctx: int, model_rref: Any) -> Any:
+    """Runs on the owner of ``model_rref`` (a ``Sequential``, or a :class:`Shard`
+    holding one): its first layer's weight gradient in distributed autograd
+    context ``ctx`` (whichever library runs it)."""
+    model = model_rref.local_value()
+    layers = model.seq if isinstance(model, Shard) else model
+    return _dist_autograd().get_gradients(ctx)[layers[0].weight]
 
 
 class Shard:
@@ -166,12 +169,6 @@ class Shard:
         import copy
 
         return copy.deepcopy(self.seq)
-
-
-def first_shard_grad(ctx: int, shard_rref: Any) -> Any:
-    """Runs on the owner of ``shard_rref``: its first layer's weight gradient in
-    distributed autograd context ``ctx``."""
-    return _dist_autograd().get_gradients(ctx)[shard_rref.local_value().seq[0].weight]
 
 
 def _dist_autograd() -> Any:

@@ -673,7 +673,7 @@ def bench_pipeline(rpc: Any, lib: str, cfg: Config, failures: list[str]) -> dict
     with dist_autograd.context() as ctx:
         loss = forward(max(cfg.pipeline_splits))
         dist_autograd.backward(ctx, [loss])
-        got_w = rpc.rpc_sync(OWNERS[0], _targets.first_shard_grad, args=(ctx, shards[0]))
+        got_w = rpc.rpc_sync(OWNERS[0], _targets.first_weight_grad, args=(ctx, shards[0]))
     _check_close("the pipeline's loss", loss.detach(), want.detach())
     _check_close("the first layer's weight gradient", got_w, want_w)
 

@@ -461,21 +461,27 @@ def test_the_graph_names_the_device_of_each_node_off_the_cpu() -> None:
     assert all("device" not in n for n in d["nodes"]) and lane_title(d) == "w0"
 
 
-def test_a_stage_where_no_node_waits_is_one_call_of_pytorchs_engine(
-        by_engine: bool, monkeypatch) -> None:
-    """By the engine, a closed stage (a 30-node chain) is one engine call;
-    one node at a time, each node's tensor hooks are one call."""
+@pytest.fixture
+def engine_calls(monkeypatch) -> list[int]:
+    """The test's calls of PyTorch's engine, each as its number of root edges."""
     from nbrpc.autograd import engine
 
-    calls = []
+    calls: list[int] = []
+    real = engine._ENGINE
 
     class Spy:
         def run_backward(self, *args):
             calls.append(len(args[0]))
             return real.run_backward(*args)
 
-    real = engine._ENGINE
     monkeypatch.setattr(engine, "_ENGINE", Spy())
+    return calls
+
+
+def test_a_stage_where_no_node_waits_is_one_call_of_pytorchs_engine(
+        by_engine: bool, engine_calls: list[int]) -> None:
+    """By the engine, a closed stage (a 30-node chain) is one engine call;
+    one node at a time, each node's tensor hooks are one call."""
     w = torch.ones(3, requires_grad=True)
     y = w
     for _ in range(30):
@@ -485,7 +491,7 @@ def test_a_stage_where_no_node_waits_is_one_call_of_pytorchs_engine(
     p.start()
     record, _ = p.run()
     assert len(record.nodes) == 32  # sum, 30 muls, the leaf
-    assert calls == ([1] if by_engine else [1] * 31)
+    assert engine_calls == ([1] if by_engine else [1] * 31)
     torch.testing.assert_close(got[w], torch.full((3,), 1.5 ** 30))
 
 
@@ -512,22 +518,11 @@ def _micro_batches_by_local_autograd() -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def test_a_stage_that_leaves_only_leaves_waiting_is_one_call_of_pytorchs_engine(
-        by_engine: bool, monkeypatch) -> None:
+        by_engine: bool, engine_calls: list[int]) -> None:
     """Micro-batches: the first one's stage feeds the shared weight and bias,
     which wait for the second's. By the engine both stages are one engine call
     each (it captures the first one's part of the leaves' gradients), and the
     leaves get the sum, as local autograd gives."""
-    from nbrpc.autograd import engine
-
-    calls = []
-
-    class Spy:
-        def run_backward(self, *args):
-            calls.append(len(args[0]))
-            return real.run_backward(*args)
-
-    real = engine._ENGINE
-    monkeypatch.setattr(engine, "_ENGINE", Spy())
     outs, layer, grads = _micro_batches()
     got, accumulate = collector()
     p = LocalPass("w", {1: [outs[0]], 2: [outs[1]]}, {}, accumulate)
@@ -540,7 +535,7 @@ def test_a_stage_that_leaves_only_leaves_waiting_is_one_call_of_pytorchs_engine(
     assert record.blocked == 0 and sorted(record.nodes)[:2] == ["AccumulateGrad"] * 2
     # by the engine: stage 1 from its entry; stage 2 from its entry and what the
     # weight and bias held from stage 1 (one node at a time: a call per node)
-    assert calls == [1, 3] if by_engine else len(calls) == 6
+    assert engine_calls == [1, 3] if by_engine else len(engine_calls) == 6
     want = _micro_batches_by_local_autograd()
     torch.testing.assert_close(got[layer.weight], want[0])
     torch.testing.assert_close(got[layer.bias], want[1])

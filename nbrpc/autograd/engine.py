@@ -467,9 +467,10 @@ class LocalPass:
         return stage
 
     def execute(self, stage: Stage) -> None:
-        """A pending stage's engine call: the nodes it runs belong to it alone,
-        so it needs no lock. (Its hooks run here, on the calling thread.)"""
-        if stage.pending and stage.edges and stage.captures:
+        """A pending stage's engine call (nothing for another stage): the nodes
+        it runs belong to it alone, so it needs no lock. (Its hooks run here,
+        on the calling thread.)"""
+        if stage.edges and stage.captures:
             stage.got = _ENGINE.run_backward(stage.edges, stage.grads, self.retain_graph,
                                              False, stage.captures, True, False)
 
@@ -626,9 +627,7 @@ class LocalPass:
                 for node in stage.ends:
                     self._end(node, bufs[node], record, outbox, hooked=True)
             return
-        stage.pending = True
         self.execute(stage)
-        stage.pending = False
         self._finish(stage)
 
     def _prepare(self, stage: Stage, order: list[Node], waiting: list[Node]) -> None:
