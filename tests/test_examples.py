@@ -70,3 +70,13 @@ def test_ddp_with_rpc_averages_the_dense_gradients_in_the_context() -> None:
     found = re.findall(r"trainer(\d): loss ([\d.]+) -> ([\d.]+)", out)
     assert sorted(int(t) for t, _, _ in found) == [0, 1], out
     assert all(float(last) < float(first) for _, first, last in found), out
+
+
+def test_pipeline_parallelism_trains_like_the_local_model_in_any_split() -> None:
+    out = _run("08_pipeline_parallelism.py", "--splits", "1", "4", "--batches", "6")
+    found = re.findall(r"number of splits = (\d+), execution time = [\d.]+ s, "
+                       r"loss ([\d.]+) -> ([\d.]+), equal to the local model's", out)
+    assert [int(n) for n, _, _ in found] == [1, 4], out
+    # the same training whatever the split: micro-batches change only the rounding
+    assert len({(first, last) for _, first, last in found}) == 1, out
+    assert all(float(last) < float(first) * 0.95 for _, first, last in found), out
