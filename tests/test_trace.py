@@ -300,3 +300,49 @@ def test_arrow_labels_are_readable_and_never_overlap() -> None:
     assert 'font-size="11" fill="currentColor"' in svg
     assert not re.search(r'<text [^>]*fill="#', svg)
     assert 'font-size="9"' not in svg
+
+
+def test_each_request_run_is_a_bar_on_its_callees_lifeline() -> None:
+    import re
+
+    from nbrpc.jupyter.trace_view import BAR_STEP, activations, trace_svg
+
+    def msg(kind, what, src, dst, i, t0, t1):  # noqa: ANN001,ANN202
+        return {"kind": kind, "op": "call", "what": what, "src": src, "dst": dst,
+                "msg_id": i, "nbytes": 10, "t0": t0, "t1": t1}
+
+    t = debug.Trace(workers=["a", "b", "c"], duration=0.01, messages=[
+        msg("call", "f", "a", "b", 1, 0.000, 0.001), msg("call", "g", "a", "b", 2, 0.002, 0.003),
+        msg("call", "h", "a", "c", 3, 0.002, 0.004),  # its reply left after the trace
+        msg("reply", "g", "b", "a", 2, 0.005, 0.0055), msg("reply", "f", "b", "a", 1, 0.008, 0.009),
+        msg("call", "k", "a", "b", 4, 0.0085, 0.0086),
+        msg("reply", "k", "b", "a", 4, 0.0088, 0.0089)])
+    acts = activations(t.messages)
+    # f ran from 1 to 8 ms; g from 3 to 5, beside it; k after g, in g's column
+    assert [(a["what"], a["start"], a["end"], a["level"]) for a in acts] == [
+        ("f", 0.001, 0.008, 0), ("g", 0.003, 0.005, 1), ("k", 0.0086, 0.0088, 0)]
+    svg = trace_svg(t, to_scale=True)
+    bars = re.findall(r'<g class="nbrpc-act"[^>]*><rect x="([\d.]+)" y="([\d.]+)" width="\d+" '
+                      r'height="([\d.]+)"[^>]*/><title>([^<]*)</title></g>', svg)
+    assert len(bars) == 3
+    (xf, yf, hf, tip_f), (xg, yg, hg, _), _ = bars
+    assert float(xg) - float(xf) == pytest.approx(BAR_STEP)  # side by side
+    assert float(hf) == pytest.approx(float(hg) * 3.5, rel=0.01)  # to scale: 7 ms and 2 ms
+    assert tip_f == "b ran call f for a (msg 1): 7.000 ms, from 1.000 ms"
+    # the bars hide with their kind's and their workers' checkboxes, as the arrows do
+    assert re.findall(r'<g class="nbrpc-act" ([^>]*)>', svg) == [
+        'data-f="kind worker" data-f-kind="call" data-f-worker="b a"'] * 3
+
+
+def test_a_bar_spans_the_run_of_a_real_request(trio_default) -> None:
+    import time
+
+    from nbrpc.jupyter.trace_view import activations
+
+    a, b, c = trio_default
+    with debug.trace() as t:
+        call(a, "b", time.sleep, (0.05,))
+    (act,) = activations(t.messages)
+    (reply,) = [m for m in t.messages if m["kind"] == "reply"]
+    assert (act["worker"], act["caller"], act["what"]) == ("b", "a", "sleep")
+    assert 0.05 <= act["end"] - act["start"] <= reply["latency"]

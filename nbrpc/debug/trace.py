@@ -298,7 +298,8 @@ class Trace:
 
     def widget(self, **options: Any) -> Any:
         """A sequence diagram: one lifeline per worker, arrows in time order, coloured
-        by kind, hover for size, id and latency, filters by kind and worker."""
+        by kind, a bar on the callee's lifeline for each request's run, hover for
+        size, id and latency, filters by kind and worker."""
         return views.make("trace", self, **options)
 
     # -- export ----------------------------------------------------------------------

@@ -3,7 +3,10 @@
 One lifeline per worker, one arrow per request (solid) and per reply
 (dashed), in time order, coloured by kind: calls, RRef values (``remote``,
 ``to_here``), the RRef protocol (forks, accepts, deletes), autograd
-(gradients, credits). Hovering an arrow shows its size, id and latency;
+(gradients, credits). A bar on the callee's lifeline spans each request
+from when it began to run there to when its reply left (a sequence diagram's
+activation): which worker ran what, when, and what ran at once (side by
+side). Hovering an arrow shows its size, id and latency;
 clicking it shows all its fields; the checkboxes hide kinds and workers.
 Rows are spaced by order (readable whatever the gaps between messages) or,
 with "to scale", by time.
@@ -36,6 +39,7 @@ TOP, LEFT = 40, 70
 # character so that a label never runs past the box it was given.
 FONT, CHAR_W, LABEL_H = 11, 6.6, 14
 SPOTS = (0.5, 0.35, 0.65, 0.2, 0.8)  # where along its arrow a label may go, in that order
+BAR_W, BAR_STEP, BARS_SIDE_BY_SIDE = 8, 6, 4  # activation bars: px wide, offset, at most
 
 
 def _lane_x(workers: list[str]) -> tuple[dict[str, float], float]:
@@ -146,6 +150,7 @@ def trace_svg(trace: Trace, to_scale: bool = False, limit: int = MAX_DRAWN) -> s
             f'y="{ey - 4:.1f}" width="8" height="8" transform="rotate(45 {x:.1f} {ey:.1f})" '
             f'fill="currentColor" fill-opacity="0.7"><title>{esc(e["event"])} {esc(e["op"])} '
             f'{esc(e["detail"])} ({esc(e["peer"])}) at {_ms(e["time"])}</title></rect></g>')
+    parts += [_bar(a, xs, y) for a in activations(drawn)]  # under the arrows
     labels = Labels()
     for i, m in enumerate(drawn):
         parts.append(_arrow(i, m, xs, y, col, labels))
@@ -154,6 +159,54 @@ def trace_svg(trace: Trace, to_scale: bool = False, limit: int = MAX_DRAWN) -> s
                      "messages (t.messages and t.to_chrome_trace() have them all)</text>")
     return svg(width, bottom, "".join(parts), f"message trace of {', '.join(workers)}",
                themed=True)
+
+
+def activations(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each request of ``messages`` whose run on its callee the trace saw
+    begin and end (its reply left): the callee's *activation*, with the
+    ``level`` it is drawn at, 0 unless it overlaps an earlier one on the same
+    worker (then the lowest level free, at most ``BARS_SIDE_BY_SIDE - 1``).
+
+    >>> msgs = [{"kind": k, "op": "call", "what": w, "src": s, "dst": d, "msg_id": i,
+    ...          "t0": t0, "t1": t1} for k, w, s, d, i, t0, t1 in [
+    ...     ("call", "f", "a", "b", 1, 0.0, 1.0), ("call", "g", "a", "b", 2, 0.5, 1.5),
+    ...     ("reply", "f", "b", "a", 1, 3.0, 3.1), ("reply", "g", "b", "a", 2, 2.0, 2.1)]]
+    >>> [(a["worker"], a["what"], a["start"], a["end"], a["level"]) for a in activations(msgs)]
+    [('b', 'f', 1.0, 3.0, 0), ('b', 'g', 1.5, 2.0, 1)]
+    """
+    ends = {(m["src"], m["dst"], m["msg_id"]): m["t0"] for m in messages
+            if m["kind"] == "reply" and m["t0"] is not None}
+    acts = []
+    for m in messages:
+        end = ends.get((m["dst"], m["src"], m["msg_id"]))
+        if m["kind"] != "reply" and m["t1"] is not None and end is not None:
+            acts.append({"worker": m["dst"], "caller": m["src"], "kind": m["kind"], "op": m["op"],
+                         "what": m["what"], "msg_id": m["msg_id"], "start": m["t1"],
+                         "end": max(end, m["t1"])})
+    acts.sort(key=lambda a: (a["worker"], a["start"]))
+    busy: dict[str, list[float]] = {}  # per worker, per level: when its bar ends
+    for a in acts:
+        levels = busy.setdefault(a["worker"], [])
+        free = next((i for i, until in enumerate(levels) if until <= a["start"]), len(levels))
+        a["level"] = min(free, BARS_SIDE_BY_SIDE - 1)
+        if free < len(levels):
+            levels[free] = a["end"]
+        elif free < BARS_SIDE_BY_SIDE:
+            levels.append(a["end"])
+    return acts
+
+
+def _bar(a: dict[str, Any], xs: dict[str, float], y: dict[float, float]) -> str:
+    x = xs[a["worker"]] - BAR_W / 2 + a["level"] * BAR_STEP
+    y0, y1 = y[a["start"]], y[a["end"]]
+    c = colour(a["op"])
+    tip = (f"{a['worker']} ran {a['op']} {a['what']}".rstrip() + f" for {a['caller']} "
+           f"(msg {a['msg_id']}): {(a['end'] - a['start']) * 1e3:.3f} ms, from "
+           f"{_ms(a['start'])}")
+    return (f'<g class="nbrpc-act" data-f="kind worker" data-f-kind="{esc(a["kind"])}" '
+            f'data-f-worker="{esc(a["worker"])} {esc(a["caller"])}"><rect x="{x:.1f}" '
+            f'y="{y0:.1f}" width="{BAR_W}" height="{max(2.0, y1 - y0):.1f}" fill="{c}" '
+            f'fill-opacity="0.3" stroke="{c}" stroke-width="1"/><title>{esc(tip)}</title></g>')
 
 
 def _arrow(i: int, m: dict[str, Any], xs: dict[str, float], y: dict[float, float],
