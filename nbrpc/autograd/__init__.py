@@ -33,7 +33,19 @@ from .messages import Release
 from .stepper import BackwardStepper
 
 __all__ = ["AutogradContext", "BackwardError", "BackwardStepper", "LocalPass", "StageRecord",
-           "backward", "backward_stepper", "context", "get_gradients"]
+           "backward", "backward_stepper", "context", "get_gradients", "is_available"]
+
+
+def is_available() -> bool:
+    """Whether distributed autograd can be used: always, with nbrpc (PyTorch's
+    answers ``False`` in builds without distributed support, and code written
+    for it may check before it imports the rest).
+
+    >>> from nbrpc import autograd as dist_autograd
+    >>> dist_autograd.is_available()
+    True
+    """
+    return True
 
 
 def context() -> contextlib.AbstractContextManager[int]:
