@@ -15,6 +15,8 @@ import pytest
 from nbrpc.agent import Agent, AgentOptions, set_default_agent
 from nbrpc.transport import new_key
 
+pytest_plugins = ["rerun_report"]  # the first failure of a test that passed on its rerun
+
 
 @contextmanager
 def local_group(names: list[str], threads: int = 4, rpc_timeout: float = 10.0,
@@ -205,4 +207,5 @@ def no_thread_leak() -> Iterator[None]:
     yield
     assert poll_for(lambda: not [t for t in threading.enumerate() if t.name.startswith("nbrpc")],
                     timeout=5), [t.name for t in threading.enumerate()]
+
 
