@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 KEPT = 20  # first failures kept (a run with more has a problem a log will show anyway)
-TAIL_LINES = 60  # of each: where a failure's own message and the processes' errors are
+TAIL_LINES = 400  # of each: its message, the processes' errors and stacks (test_torch_suites)
 
 _first_failures: list[tuple[str, str]] = []
 

@@ -27,6 +27,7 @@ measure), ``NBRPC_TORCH_SUITES=known-failing`` only those.
 
 from __future__ import annotations
 
+import faulthandler
 import multiprocessing
 import multiprocessing.forkserver
 import os
@@ -121,14 +122,30 @@ class NbrpcAgentTestFixture(RpcAgentTestFixture):
         return "RPC ran for more than"  # as TensorPipe's fixture
 
 
+# A test process still running after this many seconds writes every thread's stack
+# to a file beside the test's own temporary file (and runs on): a test that then
+# fails (an RPC's 60 s timeout, the parent's 100 s wait) shows where each of its
+# processes was.
+WATCHDOG_S = 50
+
+
+def _stacks(file_name: str, rank: int) -> Path:
+    return Path(f"{file_name}.stacks-{rank}")
+
+
 class ForkServerHelper(MultiProcessTestCase):
-    """``rpc_utils.SpawnHelper``, with processes from the fork server."""
+    """``rpc_utils.SpawnHelper``, with processes from the fork server, each
+    with a watchdog that writes its threads' stacks if it runs long."""
 
     def setUp(self) -> None:
         super().setUp()
         _ensure_forkserver()
         self._start_processes(_FORKSERVER.Process)
 
+    def tearDown(self) -> None:
+        for rank in range(len(self.processes)):
+            _stacks(self.file_name, rank).unlink(missing_ok=True)
+        super().tearDown()
 
     @classmethod
     def _run(cls, rank: int, test_name: str, file_name: str, parent_pipe, **kwargs) -> None:
@@ -136,7 +153,27 @@ class ForkServerHelper(MultiProcessTestCase):
         assert getattr(sys.modules["torch.distributed.rpc"], "__nbrpc_alias__", False), (
             "torch.distributed.rpc is PyTorch's in this process: the fork server did not "
             "preload torch_alias")
+        stacks = open(_stacks(file_name, rank), "w")  # noqa: SIM115 (open while it runs)
+        faulthandler.dump_traceback_later(WATCHDOG_S, file=stacks)
         super()._run(rank, test_name, file_name, parent_pipe, **kwargs)
+
+    def _check_return_codes(self, *args, **kwargs) -> None:
+        try:
+            super()._check_return_codes(*args, **kwargs)
+        except Exception as e:
+            dumps = "".join(f"\nrank {rank}'s threads at {WATCHDOG_S} s:\n{text}"
+                            for rank in range(len(self.processes))
+                            if (text := _read(_stacks(self.file_name, rank))))
+            if dumps and e.args and isinstance(e.args[0], str):
+                e.args = (e.args[0] + dumps, *e.args[1:])
+            raise
+
+
+def _read(path: Path) -> str:
+    try:
+        return path.read_text()
+    except OSError:
+        return ""
 
 
 def _make(suite: type) -> type:
