@@ -207,5 +207,3 @@ def no_thread_leak() -> Iterator[None]:
     yield
     assert poll_for(lambda: not [t for t in threading.enumerate() if t.name.startswith("nbrpc")],
                     timeout=5), [t.name for t in threading.enumerate()]
-
-

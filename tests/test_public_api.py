@@ -68,8 +68,9 @@ def test_every_public_function_and_class_of_pytorchs_rpc_api_is_here(ours: str,
     """What code written for PyTorch's RPC API calls by name exists in nbrpc's
     module of the same role (``torch_alias`` maps one onto the other). Left out:
     PyTorch's other distributed APIs that its modules re-export (collectives,
-    ZeroRedundancyOptimizer, functional optimizers), its agents' C++ classes and
-    the RPC profiler (see tests/torch_suites.py)."""
+    ZeroRedundancyOptimizer, functional optimizers), its agents' C++ classes, the
+    RPC profiler (see tests/torch_suites.py), and what its modules only import for
+    their own use (``Generator``, ``urlparse``, ``timedelta``, ``method_factory``)."""
     elsewhere = {
         "torch.distributed.rpc": {"PyRRef", "RpcAgent", "TensorPipeAgent", "Store",
                                   "AllGatherStates", "RemoteProfilerManager",

@@ -161,19 +161,35 @@ class ForkServerHelper(MultiProcessTestCase):
         try:
             super()._check_return_codes(*args, **kwargs)
         except Exception as e:
-            dumps = "".join(f"\nrank {rank}'s threads at {WATCHDOG_S} s:\n{text}"
-                            for rank in range(len(self.processes))
-                            if (text := _read(_stacks(self.file_name, rank))))
-            if dumps and e.args and isinstance(e.args[0], str):
-                e.args = (e.args[0] + dumps, *e.args[1:])
+            _add_stacks(e, self.file_name, len(self.processes))
             raise
 
 
-def _read(path: Path) -> str:
-    try:
-        return path.read_text()
-    except OSError:
-        return ""
+def _add_stacks(error: BaseException, file_name: str, ranks: int) -> None:
+    """Append to ``error``'s message the stacks each rank's watchdog wrote."""
+    dumps = ""
+    for rank in range(ranks):
+        try:
+            text = _stacks(file_name, rank).read_text()
+        except OSError:
+            continue  # (no file: that process never started)
+        if text:
+            dumps += f"\nrank {rank}'s threads at {WATCHDOG_S} s:\n{text}"
+    if dumps and error.args and isinstance(error.args[0], str):
+        error.args = (error.args[0] + dumps, *error.args[1:])
+
+
+def test_a_failed_tests_error_ends_with_the_stacks_its_watchdogs_wrote(tmp_path: Path) -> None:
+    file_name = str(tmp_path / "test-file")
+    _stacks(file_name, 1).write_text("Thread 0x01 (most recent call first):\n  File x.py\n")
+    _stacks(file_name, 2).write_text("")  # armed, never fired: nothing to say
+    error = RuntimeError("Process 1 exited with error code 10")
+    _add_stacks(error, file_name, ranks=3)
+    assert str(error) == ("Process 1 exited with error code 10\nrank 1's threads at "
+                          f"{WATCHDOG_S} s:\nThread 0x01 (most recent call first):\n  File x.py\n")
+    quiet = RuntimeError("Process 0 timed out")
+    _add_stacks(quiet, str(tmp_path / "other"), ranks=3)
+    assert str(quiet) == "Process 0 timed out"
 
 
 def _make(suite: type) -> type:

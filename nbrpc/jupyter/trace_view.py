@@ -286,7 +286,8 @@ class TraceView(View):
         self.filters = {"kind": kinds, "worker": _workers(t)}
         self.html = varies(trace_svg(t, self.to_scale, self.limit))
         lost = "; ".join(f"{k}: {v}" for k, v in sorted(t.lost.items()))
-        self.status = f"{t.duration * 1e3:.1f} ms traced" + (f"; lost {lost}" if lost else "")
+        self.status = (f"{t.duration * 1e3:.1f} ms traced; a bar on a lifeline is a request "
+                       "running there (hover for its time)" + (f"; lost {lost}" if lost else ""))
 
     def text(self) -> str:
         return str(self.trace)
