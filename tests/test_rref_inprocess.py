@@ -336,6 +336,51 @@ def test_large_values_are_freed() -> None:
         assert b.ext["rref"].state.deleted == 20
 
 
+def served(agent, op: str) -> int:
+    return sum(r["event"] == "serve" and r["op"] == op for r in agent.events.records())
+
+
+def test_a_burst_of_deletions_reaches_the_owner_in_a_few_messages() -> None:
+    """Deletions within ``DELETE_WINDOW`` of the last Deletes sent wait and go
+    together: 40 RRefs dropped in a loop cost their owner a few Delete
+    messages, not 40, and every value is freed."""
+    with local_group(["a", "b"]) as (a, b):
+        refs = [remote(a, "b", Tracked, (f"burst{i}",), {}, -1) for i in range(40)]
+        assert poll_for(lambda: all(r.confirmed_by_owner() for r in refs))
+        before = served(b, "rref_delete")
+        while refs:
+            refs.pop()  # (collected here: nothing else refers to it)
+        assert poll_for(lambda: all(freed(f"burst{i}") for i in range(40)), timeout=5)
+        assert b.ext["rref"].state.deleted == 40
+        assert poll_for(lambda: served(b, "rref_delete") > before)
+        assert served(b, "rref_delete") - before <= 5
+        sent = [e for e in a.snapshot(events=None)["events"] if e["event"] == "rref-delete-sent"]
+        assert len(sent) == 40  # the event log still has one line per RRef
+
+
+def test_a_deletion_inside_the_window_waits_for_its_end() -> None:
+    with local_group(["a", "b"]) as (a, b):
+        r = remote(a, "b", Tracked, ("windowed",), {}, -1)
+        assert poll_for(r.confirmed_by_owner)
+        ctx = a.ext["rref"]
+        ctx._quiet_until = time.monotonic() + 0.5  # as if Deletes had just gone
+        del r
+        time.sleep(0.2)
+        assert not freed("windowed") and len(b.ext["rref"].state.owned) == 1
+        assert poll_for(lambda: freed("windowed"), timeout=5)
+
+
+def test_a_dropped_batch_of_deletes_is_retried_whole() -> None:
+    with local_group(["a", "b"], control_retry=0.2) as (a, b):
+        refs = [remote(a, "b", Tracked, (f"retried{i}",), {}, -1) for i in range(10)]
+        assert poll_for(lambda: all(r.confirmed_by_owner() for r in refs))
+        a.faults.add("rref_delete", "drop", times=2)
+        refs.clear()
+        assert poll_for(lambda: all(freed(f"retried{i}") for i in range(10)), timeout=8)
+        assert a.faults.fired and a.ext["rref"].retries >= 1
+        assert poll_for(lambda: not a.ext["rref"].state.users)
+
+
 # -- failures ---------------------------------------------------------------------
 FAULTS = [("rref_fork", False), ("rref_fork", True), ("rref_child_accept", False),
           ("rref_child_accept", True), ("rref_delete", False), ("rref_delete", True)]

@@ -15,7 +15,7 @@ import pytest
 
 from nbrpc.errors import NbrpcError
 from nbrpc.rref.messages import ChildAccept, Delete, ForkRequest
-from nbrpc.rref.state import CONFIRMED, DELETING, FAILED, PENDING, RRefId, RRefState
+from nbrpc.rref.state import CONFIRMED, DELETING, FAILED, PENDING, RRefId, RRefState, batch_deletes
 
 
 class Ref:
@@ -35,7 +35,7 @@ class Net:
 
     # what the agents' sends and handlers do
     def post(self, src: int, out: list) -> None:
-        for dst, msg in out:
+        for dst, msg in batch_deletes(out):  # (as the agent sends them)
             self.wire.append((src, dst, msg))
 
     def deliver_one(self) -> None:
@@ -49,9 +49,10 @@ class Net:
             if child is not None:
                 self._collect(child.keepalive)
         elif type(msg) is Delete:
-            if (e := st.on_delete(msg.rref_id, msg.fork_id)) is not None:
-                self.freed.append(e.rref_id)
-            self.s[src].on_delete_done(msg.fork_id)
+            for rref_id, fork in msg.forks():
+                if (e := st.on_delete(rref_id, fork)) is not None:
+                    self.freed.append(e.rref_id)
+                self.s[src].on_delete_done(fork)
         else:
             raise AssertionError(msg)
 
@@ -320,6 +321,32 @@ def test_release_all_users_at_shutdown() -> None:
     assert sorted(type(m).__name__ for _, m in out) == ["Delete"] * 3
     assert all(u.state == DELETING for u in net.s[A].users.values())
     net.post(A, out)
+    assert len(net.wire) == 1  # one Delete for the three, to their one owner
+    net.settle()
+    assert sorted(net.freed) == sorted(r.rref_id for r in refs) and net.quiet()
+
+
+def test_batch_deletes_merges_per_owner_in_place_of_the_first() -> None:
+    r1, r2, f = RRefId(0, 1), RRefId(2, 1), [RRefId(1, n) for n in range(5)]  # (fork ids)
+    out = [(0, Delete(r1, f[0])), (2, Delete(r2, f[1])), (0, ChildAccept(r1, f[2])),
+           (0, Delete(r1, f[3], ((r1, f[4]),)))]  # (an already merged one merges too)
+    merged = batch_deletes(out)
+    assert [(rank, type(m).__name__) for rank, m in merged] == [
+        (0, "Delete"), (2, "Delete"), (0, "ChildAccept")]
+    assert merged[0][1].forks() == ((r1, f[0]), (r1, f[3]), (r1, f[4]))
+    assert merged[1][1] is out[1][1] and merged[2][1] is out[2][1]
+    assert batch_deletes(out[:3]) == out[:3]  # one Delete per owner: as it was
+    assert batch_deletes([]) == []
+
+
+def test_a_merged_delete_is_idempotent_and_frees_each_value_once() -> None:
+    net = Net(2)
+    refs = [net.create(A, OWNER) for _ in range(4)]
+    net.settle()
+    out = [d for r in refs for d in net.s[A].release_user(r.fork)]
+    (rank, msg), = batch_deletes(out)
+    assert rank == OWNER and len(msg.forks()) == 4
+    net.wire.extend([(A, OWNER, msg), (A, OWNER, msg)])  # retried: delivered twice
     net.settle()
     assert sorted(net.freed) == sorted(r.rref_id for r in refs) and net.quiet()
 

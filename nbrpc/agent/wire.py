@@ -330,7 +330,10 @@ def describe_message(msg: Any) -> str:
         name = getattr(fn, "__name__", name) if name[0] == "_" else name
         return INTERNAL + name if getattr(fn, "__nbrpc_internal__", False) else name
     rref_id = getattr(msg, "rref_id", None)
-    return "" if rref_id is None else f"RRef {rref_id}"
+    if rref_id is None:
+        return ""
+    more = getattr(msg, "more", ())
+    return f"RRef {rref_id} and {len(more)} more" if more else f"RRef {rref_id}"
 
 
 def call_args(args: Any, kwargs: Any) -> tuple[tuple, dict]:

@@ -13,8 +13,15 @@ agent. It
   after ``control_retry`` s, doubling, until answered, the peer is gone, or
   ``MAX_ATTEMPTS``; user calls are never retried;
 * turns garbage-collected RRefs into work for the I/O thread (a finalizer only
-  appends to a deque and, if the I/O thread sleeps, writes one byte to its
-  non-blocking wake-up pipe: no lock, no message, nothing that can block);
+  appends to a deque and, if no run is due, asks the I/O thread for one, which
+  writes one byte to its non-blocking wake-up pipe if it sleeps: no lock, no
+  message, nothing that can block);
+* sends the Deletes of a burst of deletions together: a deletion within
+  ``DELETE_WINDOW`` s of the last Deletes sent waits for the end of that window,
+  and then every Delete for one owner goes as one message
+  (:func:`.state.batch_deletes`). An ``rref = remote(...); rref.to_here()``
+  loop thus costs each owner one Delete and one answer per window, not per
+  iteration; a lone ``del rref`` still goes at once;
 * drops freed values on a pool thread, so a value's ``__del__`` never runs on
   the I/O thread;
 * reports its tables as plain data, and leaks at shutdown.
@@ -36,12 +43,16 @@ import torch
 from ..agent import Agent, Deferred, check_future, detach, is_async, on_done, outcome
 from ..errors import NbrpcError, RpcTimeoutError, ShutdownError, WorkerGoneError
 from .messages import CancelFetch, ChildAccept, Delete, Fetch, ForkRequest, Remote
-from .state import CONFIRMED, ForkId, Owned, RRefId, RRefState
+from .state import CONFIRMED, ForkId, Owned, RRefId, RRefState, batch_deletes
 
 log = logging.getLogger(__name__)
 
 MAX_ATTEMPTS = 8  # 1 + 2 + 4 + ... s with the default control_retry, capped per try
 MAX_RETRY_INTERVAL = 30.0
+# Seconds after sending Deletes during which further releases wait, to go
+# together: at most one round of Deletes per window. A value lives at most this
+# much longer; a graceful shutdown waits for it.
+DELETE_WINDOW = 0.005
 
 
 class RRefLeakWarning(ResourceWarning):
@@ -62,6 +73,8 @@ class RRefContext:
         self.state = RRefState(agent.rank)
         self.live: weakref.WeakSet = weakref.WeakSet()  # RRef objects made here
         self._releases: deque = deque()  # ("user", fork) | ("owner", rref_id)
+        self._release_due = False  # a run of _process_releases is asked for or timed
+        self._quiet_until = 0.0  # (monotonic) releases wait until then: see DELETE_WINDOW
         self.retries = 0
         # forks received in a request whose owner has not answered yet: the
         # request's function runs once they are settled (see await_fork)
@@ -79,7 +92,7 @@ class RRefContext:
 
     # -- sending, with retries ------------------------------------------------------
     def send(self, outbox: list[tuple[int, Any]]) -> None:
-        for rank, msg in outbox:
+        for rank, msg in batch_deletes(outbox):
             self._send(rank, msg, 0)
 
     def _send(self, rank: int, msg: Any, attempt: int) -> None:
@@ -95,7 +108,8 @@ class RRefContext:
             self._give_up(rank, msg, f"{type(e).__name__}: {e}")
             return
         if type(msg) is Delete:
-            self._event("delete-sent", msg.rref_id, msg.fork_id, rank)
+            for rref_id, fork in msg.forks():
+                self._event("delete-sent", rref_id, fork, rank)
 
     def _answered(self, rank: int, msg: Any, attempt: int, error: BaseException | None) -> None:
         if isinstance(error, RpcTimeoutError):
@@ -119,7 +133,8 @@ class RRefContext:
             self.send(self.state.on_confirmed(msg.fork_id))
             self._fork_settled(msg.fork_id)
         elif t is Delete:
-            self.state.on_delete_done(msg.fork_id)
+            for _rref_id, fork in msg.forks():
+                self.state.on_delete_done(fork)
 
     def _give_up(self, rank: int, msg: Any, why: str) -> None:
         """A protocol message that cannot be delivered: settle our side of it."""
@@ -133,6 +148,9 @@ class RRefContext:
             self.send(self.state.on_failed(msg.fork_id))
             self._fork_settled(msg.fork_id)
         elif t is Delete:
+            for rref_id, fork in msg.more:
+                self.state.on_delete_done(fork)
+                self._event("errored", rref_id, fork, rank, why)
             self.state.on_delete_done(msg.fork_id)
         self._event("errored", msg.rref_id, msg.fork_id, rank, why)
 
@@ -241,11 +259,15 @@ class RRefContext:
             self._event("child-accepted", rref_id, fork, peer, f"{fork} by the answer")
         del child  # may free the parent RRef: its finalizer only queues work
 
-    def handle_delete(self, msg: Delete, sender: int) -> bool:
-        freed = self.state.on_delete(msg.rref_id, msg.fork_id)
-        if freed is not None:
-            self._free(freed)
-        return freed is not None
+    def handle_delete(self, msg: Delete, sender: int) -> int:
+        """Drop the message's forks; the answer: how many values that freed."""
+        n = 0
+        for rref_id, fork in msg.forks():
+            freed = self.state.on_delete(rref_id, fork)
+            if freed is not None:
+                self._free(freed)
+                n += 1
+        return n
 
     def _free(self, entry: Owned) -> None:
         self._event("deleted", entry.rref_id, None, self.agent.rank)
@@ -269,20 +291,42 @@ class RRefContext:
 
     # -- garbage collection of RRef objects --------------------------------------------
     def released(self, kind: str, key: RRefId) -> None:
-        """Called from a finalizer: queue only (no lock, no I/O)."""
+        """Called from a finalizer: queue only (no lock, no I/O). The I/O
+        thread is asked for a run unless one is due already: appending before
+        reading ``_release_due`` (which a run clears before it drains the
+        queue) means no release is left without a run to take it."""
         self._releases.append((kind, key))
-        if self.agent.state in ("ready", "stopping"):
-            self.agent.io.call_soon(self._process_releases)
+        if not self._release_due and self.agent.state in ("ready", "stopping"):
+            self._release_due = True
+            self.agent.io.call_soon(self._releases_due)
+
+    def _releases_due(self) -> None:
+        """On the I/O thread: run now, or at the end of the Delete window."""
+        wait = self._quiet_until - time.monotonic()
+        if wait > 0:
+            self.agent.io.call_later(wait, self._process_releases)
+        else:
+            self._process_releases()
 
     def _process_releases(self) -> None:
+        """Turn the queued releases into protocol work, the Deletes batched per
+        owner. Safe from any thread (the I/O thread's, usually; a snapshot's)."""
+        self._release_due = False
+        outbox = []
         for _ in range(len(self._releases)):
-            kind, key = self._releases.popleft()
+            try:
+                kind, key = self._releases.popleft()
+            except IndexError:  # another thread took the rest
+                break
             if kind == "user":
-                self.send(self.state.release_user(key))
+                outbox += self.state.release_user(key)
             else:
                 freed = self.state.release_owner_ref(key)
                 if freed is not None:
                     self._free(freed)
+        if outbox:
+            self._quiet_until = time.monotonic() + DELETE_WINDOW
+            self.send(outbox)
 
     def on_member_gone(self, rank: int) -> None:
         freed, children, orphans = self.state.peer_gone(rank)
@@ -301,7 +345,7 @@ class RRefContext:
     def on_shutdown(self, leak_check: bool) -> None:
         """Between the two drains of a graceful shutdown: report what is still
         alive (``leak_check``), then delete every user RRef, as PyTorch does."""
-        self.agent.io.call_soon(self._process_releases)
+        self._process_releases()  # (what is already released is no leak)
         if leak_check:
             leaks = self.leak_report()
             if leaks:
@@ -336,6 +380,7 @@ class RRefContext:
                               detail=detail or (str(fork) if fork else ""))
 
     def snapshot(self) -> dict[str, Any]:
+        self._process_releases()  # RRefs collected already are deleting, not held
         now = time.time()
         name = self.agent.peer_name
         st = self.state

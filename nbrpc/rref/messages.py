@@ -32,8 +32,10 @@ ChildAccept  rref_child_accept  INLINE   child → parent, once its fork   ``Ok(
                                          that request's answer stands
                                          for it
 Delete       rref_delete        INLINE   user → owner: the user RRef     ``Ok(freed)``: the
-                                         was garbage-collected (once     sender forgets the fork
-                                         confirmed), or at shutdown
+                                         was garbage-collected (once     sender forgets the
+                                         confirmed), or at shutdown;     forks
+                                         ``more``: others to the same
+                                         owner, deleted in one burst
 ===========  =================  =======  ==============================  ========================
 
 ForkRequest, ChildAccept and Delete are made by the protocol state
@@ -116,8 +118,15 @@ class ChildAccept:
 @fast_pickle
 @dataclass(frozen=True, slots=True)
 class Delete:
-    """A user dropped its fork (G1)."""
+    """A user dropped its fork (G1), and the forks in ``more`` (``(rref_id,
+    fork_id)`` pairs) dropped about then, of values of the same owner: one
+    message for a burst of deletions (:func:`.state.batch_deletes`)."""
 
     op = "rref_delete"
     rref_id: RRefId
     fork_id: ForkId
+    more: tuple = ()
+
+    def forks(self) -> tuple:
+        """Every ``(rref_id, fork_id)`` this message deletes, first one first."""
+        return ((self.rref_id, self.fork_id), *self.more)

@@ -300,6 +300,10 @@ def _rebuild_rref(rref_id: RRefId, owner: int, fork: ForkId | None, parent: int,
 
 
 register_reducer(RRef, _reduce_rref)
+# The ids in every protocol message: as (class, fields), which skips
+# cloudpickle's Python-level checks of each object it is asked about (about
+# 2 µs per id, three ids in a Remote's round trip).
+register_reducer(RRefId, lambda i: (RRefId, (i.creator, i.local)))
 
 
 class _Proxy:

@@ -428,3 +428,30 @@ class RRefState:
             return len(self.children) + sum(
                 1 for u in self.users.values()
                 if u.state == DELETING or (u.state == PENDING and u.released))
+
+
+def batch_deletes(outbox: Outbox) -> Outbox:
+    """``outbox`` with its Deletes to each rank merged into one, at the place of
+    the first: a burst of deletions costs each owner one message and one answer.
+
+    >>> r, (a, b, c) = RRefId(1, 7), (ForkId(0, 1), ForkId(0, 2), ForkId(0, 3))
+    >>> out = batch_deletes([(1, Delete(r, a)), (2, ChildAccept(r, c)), (1, Delete(r, b))])
+    >>> [(rank, type(m).__name__) for rank, m in out]
+    [(1, 'Delete'), (2, 'ChildAccept')]
+    >>> [str(fork) for _, fork in out[0][1].forks()]
+    ['0:1', '0:2']
+    """
+    deletes: dict[int, list] = {}
+    for rank, msg in outbox:
+        if type(msg) is Delete:
+            deletes.setdefault(rank, []).extend(msg.forks())
+    if all(len(forks) == 1 for forks in deletes.values()):
+        return outbox
+    out: Outbox = []
+    for rank, msg in outbox:
+        if type(msg) is not Delete:
+            out.append((rank, msg))
+        elif rank in deletes:
+            (rref_id, fork_id), *more = forks = deletes.pop(rank)
+            out.append((rank, msg if len(forks) == 1 else Delete(rref_id, fork_id, tuple(more))))
+    return out
