@@ -257,6 +257,35 @@ def test_leaf_gradients_are_copied_exactly_where_pytorch_copies_them(case: str) 
         assert got[a].data_ptr() != got[b].data_ptr()
 
 
+LAYOUTS = {
+    "contiguous": lambda: torch.randn(3, 4),
+    "transposed": lambda: torch.randn(4, 3).t(),  # dense, not contiguous
+    "size-1 dim": lambda: torch.randn(3, 4).as_strided((3, 1, 4), (4, 7, 1)),
+    "overlapping": lambda: torch.randn(4).expand(3, 4),  # not dense: contiguous grads
+}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("grad_layout", ["contiguous", "transposed"])
+def test_a_leafs_gradient_is_laid_out_as_pytorchs_accumulate_grad_lays_it(
+        layout: str, grad_layout: str) -> None:
+    """PyTorch's layout contract, against local autograd's ``.grad``: kept as
+    it is when strided as the (dense) leaf, else a copy strided as the leaf,
+    or contiguous for a leaf that is not dense."""
+    leaf = LAYOUTS[layout]().detach().requires_grad_()  # (a leaf strided as made)
+    weights = torch.randn(leaf.shape)
+    if grad_layout == "transposed":  # the gradient comes out of mul strided as weights
+        weights = torch.randn(tuple(reversed(leaf.shape))).permute(
+            *reversed(range(leaf.dim())))
+    (leaf * weights).sum().backward()
+    got, accumulate = collector()
+    p = LocalPass("w", {}, {}, accumulate, roots=[(leaf * weights).sum()])
+    p.start()
+    p.run()
+    assert got[leaf].stride() == leaf.grad.stride(), (got[leaf].stride(), leaf.stride())
+    assert torch.equal(got[leaf], leaf.grad)
+
+
 def test_a_leafs_tensor_hooks_run_before_its_gradient_is_stored() -> None:
     w = torch.ones(3, requires_grad=True)
     seen = []

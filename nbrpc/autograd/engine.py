@@ -1004,6 +1004,8 @@ def _keepable(g: torch.Tensor, leaf: torch.Tensor, shared: bool) -> torch.Tensor
 def _dense(t: torch.Tensor) -> bool:
     """Non-overlapping and dense: the strides of the dims of size > 1, sorted,
     are those of a contiguous layout (some permutation of the dims)."""
+    if t.is_contiguous():  # (the common case, without a Python loop over dims)
+        return True
     expected = 1
     for stride, size in sorted((st, sz) for sz, st in zip(t.shape, t.stride()) if sz != 1):
         if stride != expected:
@@ -1017,6 +1019,8 @@ def _obeys_layout(g: torch.Tensor, leaf: torch.Tensor) -> bool:
     size 1 aside), else contiguous."""
     if leaf.is_sparse:
         return False
+    if g.shape == leaf.shape and g.is_contiguous() and leaf.is_contiguous():
+        return True  # (the strides of dims of size > 1 follow from the shape)
     if _dense(leaf):
         return g.shape == leaf.shape and all(
             sz == 1 or gs == ls for sz, gs, ls in zip(g.shape, g.stride(), leaf.stride()))
