@@ -431,6 +431,24 @@ def test_owner_death_fails_rref_operations_promptly() -> None:
         assert poll_for(lambda: not a.ext["rref"].state.users)
 
 
+def test_a_batch_of_deletes_never_answered_settles_every_fork() -> None:
+    """Every attempt of a merged Delete dropped: when the sender gives up, each
+    of its forks is settled (no user entry left waiting) and logged."""
+    with local_group(["a", "b"], control_retry=0.01) as (a, b):
+        refs = [remote(a, "b", Tracked, (f"unanswered{i}",), {}, -1) for i in range(6)]
+        assert poll_for(lambda: all(r.confirmed_by_owner() for r in refs))
+        ids = {str(r._id) for r in refs}
+        ctx = a.ext["rref"]
+        ctx._quiet_until = time.monotonic() + 0.2  # the six go later, as one Delete
+        a.faults.add("rref_delete", "drop", times=100)
+        refs.clear()
+        assert poll_for(lambda: not ctx.state.users, timeout=10)
+        assert ctx.gave_up == 1  # one message
+        errored = {e["op"] for e in a.snapshot(events=None)["events"]
+                   if e["event"] == "rref-errored"}
+        assert errored == ids  # a line for each fork
+
+
 def test_dead_user_forks_are_released_by_the_owner() -> None:
     with local_group(["a", "b", "c"], heartbeat_interval=0.1, failure_timeout=0.5) as (a, b, c):
         r = remote(a, "b", Tracked, ("orphan",), {}, -1)
