@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import os
+import random
 import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -117,11 +119,35 @@ def small_rref_graph(type_name: str, nbytes: int) -> dict:
                            "users": {"0:2": "driver"}}}}
 
 
-def free_ports(n: int) -> list[int]:
-    """``n`` distinct loopback ports free at the time of the call."""
-    socks = []
+def _ephemeral_low() -> int:
     try:
-        for _ in range(n):
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
+
+
+def free_ports(n: int) -> list[int]:
+    """``n`` distinct loopback ports free at the time of the call, below the
+    kernel's ephemeral range: between this call and the bind that uses one, no
+    outgoing connection can be given it as its own port. (A port the kernel
+    handed out, ``bind(0)``, once failed a world's rank 0 with "Address already
+    in use": its peers, dialling it before it listened, may get that very port
+    for a connection of theirs, and a TCP connection to itself then holds it.)"""
+    rng = random.Random()
+    low = min(_ephemeral_low(), 65536)
+    socks: list[socket.socket] = []
+    try:
+        for _ in range(50 * n):  # (bounded: a busy range falls back below)
+            if len(socks) == n or low <= 20000:
+                break
+            s = socket.socket()
+            try:
+                s.bind(("127.0.0.1", rng.randrange(20000, low)))
+            except OSError:
+                s.close()
+                continue
+            socks.append(s)
+        while len(socks) < n:  # none free there: any port the kernel gives
             s = socket.socket()
             s.bind(("127.0.0.1", 0))
             socks.append(s)
