@@ -134,11 +134,11 @@ def free_ports(n: int) -> list[int]:
     in use": its peers, dialling it before it listened, may get that very port
     for a connection of theirs, and a TCP connection to itself then holds it.)"""
     rng = random.Random()
-    low = min(_ephemeral_low(), 65536)
+    low = _ephemeral_low()
     socks: list[socket.socket] = []
     try:
-        for _ in range(50 * n):  # (bounded: a busy range falls back below)
-            if len(socks) == n or low <= 20000:
+        for _ in range(50 * n if low > 20000 else 0):  # (bounded: else bind(0) below)
+            if len(socks) == n:
                 break
             s = socket.socket()
             try:

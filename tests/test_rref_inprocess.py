@@ -343,7 +343,7 @@ def served(agent, op: str) -> int:
 def test_a_burst_of_deletions_reaches_the_owner_in_a_few_messages() -> None:
     """Deletions within ``DELETE_WINDOW`` of the last Deletes sent wait and go
     together: 40 RRefs dropped in a loop cost their owner a few Delete
-    messages, not 40, and every value is freed."""
+    messages (one per window the loop spans), not 40, and every value is freed."""
     with local_group(["a", "b"]) as (a, b):
         refs = [remote(a, "b", Tracked, (f"burst{i}",), {}, -1) for i in range(40)]
         assert poll_for(lambda: all(r.confirmed_by_owner() for r in refs))
@@ -353,7 +353,7 @@ def test_a_burst_of_deletions_reaches_the_owner_in_a_few_messages() -> None:
         assert poll_for(lambda: all(freed(f"burst{i}") for i in range(40)), timeout=5)
         assert b.ext["rref"].state.deleted == 40
         assert poll_for(lambda: served(b, "rref_delete") > before)
-        assert served(b, "rref_delete") - before <= 5
+        assert served(b, "rref_delete") - before <= 10  # (40 without the merge)
         sent = [e for e in a.snapshot(events=None)["events"] if e["event"] == "rref-delete-sent"]
         assert len(sent) == 40  # the event log still has one line per RRef
 

@@ -147,12 +147,11 @@ class RRefContext:
         if t is ForkRequest:
             self.send(self.state.on_failed(msg.fork_id))
             self._fork_settled(msg.fork_id)
-        elif t is Delete:
-            for rref_id, fork in msg.more:
+        forks = msg.forks() if t is Delete else ((msg.rref_id, msg.fork_id),)
+        for rref_id, fork in forks:
+            if t is Delete:
                 self.state.on_delete_done(fork)
-                self._event("errored", rref_id, fork, rank, why)
-            self.state.on_delete_done(msg.fork_id)
-        self._event("errored", msg.rref_id, msg.fork_id, rank, why)
+            self._event("errored", rref_id, fork, rank, why)
 
     def await_fork(self, fork: ForkId) -> threading.Event:
         """An event set once the owner has answered the registration of

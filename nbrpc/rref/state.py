@@ -441,6 +441,8 @@ def batch_deletes(outbox: Outbox) -> Outbox:
     >>> [str(fork) for _, fork in out[0][1].forks()]
     ['0:1', '0:2']
     """
+    if len(outbox) < 2:  # (most outboxes: nothing to merge)
+        return outbox
     deletes: dict[int, list] = {}
     for rank, msg in outbox:
         if type(msg) is Delete:
